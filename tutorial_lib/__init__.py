@@ -1,0 +1,1 @@
+Low-precision FSDP2 tutorial library.
