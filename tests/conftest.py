@@ -1,0 +1,27 @@
+"""Shared pytest options: where the notebook tests run.
+
+``--nb-device`` / ``TUTORIAL_DEVICE`` and ``--nb-world-size`` / ``TUTORIAL_WORLD_SIZE`` select the
+hardware for the papermill runs; the defaults use all local GPUs, or 2 CPU ranks.
+"""
+
+import os
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--nb-device", default=os.environ.get("TUTORIAL_DEVICE", "auto"),
+                     choices=["auto", "cpu", "cuda"], help="device parameter for lesson notebooks")
+    parser.addoption("--nb-world-size", type=int, default=int(os.environ.get("TUTORIAL_WORLD_SIZE", "0")) or None,
+                     help="world_size parameter for lesson notebooks (default: GPU count, or 2 on CPU)")
+    parser.addoption("--nb-full", action="store_true", default=os.environ.get("TUTORIAL_FULL") == "1",
+                     help="run lessons with quick=False")
+
+
+@pytest.fixture
+def nb_settings(request):
+    return {
+        "device": request.config.getoption("--nb-device"),
+        "world_size": request.config.getoption("--nb-world-size"),
+        "quick": False if request.config.getoption("--nb-full") else None,
+    }

@@ -1,0 +1,107 @@
+"""Benchmark plumbing shared by every script in ``benchmarks/``: timing, the copy ceiling, JSON.
+
+Targets are ratios, never absolute times: each run measures the device-to-device copy bandwidth
+itself and reports every case as a fraction of it, next to peers measured in the same run.
+
+Example::
+
+    from tutorial_lib.bench import bench_ms, copy_bandwidth_GBps, case, write_results
+    copy = copy_bandwidth_GBps(device)
+    ms = bench_ms(lambda: my_kernel(x))
+    c = case("fp8 cast 1G", ms, peers={"torch.compile": bench_ms(compiled)}, nbytes=3 * x.numel(), copy_GBps=copy)
+    write_results("benchmarks/results", "fp8_cast", [c], copy)
+
+One JSON file per run::
+
+    {"machine": "NVIDIA H200 x1", "torch": "...", "triton": "...", "date": "...", "copy_GBps": 4250.0,
+     "cases": [{"name": ..., "ours_ms": ..., "peers": {name: ms}, "bytes": ..., "fraction_of_copy": ...}]}
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def bench_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 20) -> float:
+    """Median milliseconds of ``fn()``: ``triton.testing.do_bench`` on CUDA, wall clock on CPU."""
+    if torch.cuda.is_available():
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rep):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth_GBps(device: torch.device | str, nbytes: int | None = None) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    device = torch.device(device)
+    if nbytes is None:
+        nbytes = (1 << 31) if device.type == "cuda" else (1 << 26)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def case(name: str, ours_ms: float, *, peers: dict[str, float], nbytes: int, copy_GBps: float) -> dict:
+    """One benchmark row; ``nbytes`` is the minimum traffic (bytes read + written) of the operation."""
+    achieved = nbytes / (ours_ms * 1e-3) / 1e9
+    return {
+        "name": name,
+        "ours_ms": round(ours_ms, 5),
+        "peers": {k: round(v, 5) for k, v in peers.items()},
+        "bytes": int(nbytes),
+        "fraction_of_copy": round(achieved / copy_GBps, 4),
+    }
+
+
+def machine_name() -> str:
+    """``"<GPU name> x<count>"`` on CUDA, ``"CPU x<cores>"`` otherwise."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+    return f"CPU x{os.cpu_count()}"
+
+
+def write_results(
+    out_dir: str | Path, stem: str, cases: list[dict], copy_GBps: float, extra: dict | None = None
+) -> Path:
+    """Write one run's JSON into ``out_dir`` as ``<stem>-<machine>-<date>.json``; return its path."""
+    import triton
+
+    now = datetime.datetime.now(datetime.UTC)
+    doc = {
+        "machine": machine_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": now.isoformat(timespec="seconds"),
+        "copy_GBps": round(copy_GBps, 2),
+        "cases": cases,
+    }
+    doc.update(extra or {})
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = doc["machine"].replace(" ", "_").replace("/", "_")
+    path = out / f"{stem}-{tag}-{now.strftime('%Y%m%dT%H%M%S')}.json"
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    return path
+
+
+def load_results(results_dir: str | Path, stem: str) -> list[dict]:
+    """All recorded runs of one benchmark, newest first (lessons and README tables read these)."""
+    paths = sorted(Path(results_dir).glob(f"{stem}-*.json"), reverse=True)
+    docs = [json.loads(p.read_text()) for p in paths]
+    return sorted(docs, key=lambda d: d["date"], reverse=True)
