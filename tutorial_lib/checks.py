@@ -51,7 +51,9 @@ def check_equal(actual, expected, what: str) -> None:
             return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
 
         same = (
-            actual.shape == expected.shape and actual.dtype == expected.dtype and torch.equal(raw(actual), raw(expected))
+            actual.shape == expected.shape
+            and actual.dtype == expected.dtype
+            and torch.equal(raw(actual), raw(expected))
         )
     else:
         same = actual == expected
