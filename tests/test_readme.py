@@ -1,0 +1,121 @@
+"""Every command the README shows is run here (or by CI), so the README cannot rot.
+
+``make test`` is CI's own command (.ci/run). The rest run below, on small inputs; GPU-only forms
+are run on a GPU node and, on a CPU machine, must fail with a clear message instead of running on
+the wrong hardware.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+VENV_BIN = Path(sys.executable).parent
+GPU = torch.cuda.is_available()
+
+
+def readme_commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", README, flags=re.S)
+    cmds = []
+    for block in blocks:
+        for line in block.splitlines():
+            line = line.split("#", 1)[0].strip() if not line.strip().startswith("#") else ""
+            if line:
+                cmds.append(line)
+    return cmds
+
+
+# command -> the test below that exercises it ("ci" = .ci/run runs it)
+EXERCISED = {
+    "make lessons": "test_make_lessons",
+    "make test": "ci",
+    ".venv/bin/jupyter lab notebooks/": "test_jupyter_lab_is_installed_with_the_kernel",
+    ".venv/bin/python -m tutorial_lib.notebooks run notebooks/00_start_here.ipynb --device cpu --world-size 2 --quick":
+        "test_run_one_lesson_cli",
+    ".venv/bin/papermill notebooks/00_start_here.ipynb output/00.ipynb -k python3 -p device cpu -p world_size 2 "
+    "-p quick True": "test_papermill_command",
+    'make test ARGS="--nb-device cuda"': "test_gpu_commands",
+    ".venv/bin/python -m tutorial_lib.notebooks run --device cuda --world-size 2 --full": "test_gpu_commands",
+}
+
+
+def _run(cmd: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}")
+    return subprocess.run(cmd, shell=True, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def _venv(cmd: str) -> str:
+    """README commands name .venv/bin/...; run them with the interpreter running the tests."""
+    return re.sub(r"(^|\s)\.venv/bin/python(?=\s)", lambda m: m.group(1) + sys.executable,
+                  re.sub(r"(^|\s)\.venv/bin/(?!python\s)", lambda m: f"{m.group(1)}{VENV_BIN}/", cmd))
+
+
+def test_every_readme_command_is_exercised():
+    missing = [c for c in readme_commands() if c not in EXERCISED]
+    assert not missing, f"README commands with no test: {missing}"
+    stale = [c for c in EXERCISED if c not in readme_commands()]
+    assert not stale, f"tests exercise commands the README no longer shows: {stale}"
+
+
+@pytest.mark.notebook
+def test_make_lessons(tmp_path):
+    """The main job, limited to lesson 00, with its output moved to a temporary folder."""
+    venv = Path(sys.prefix)
+    r = _run(f"make lessons VENV={venv} LESSONS=notebooks/00_start_here.ipynb ARGS='--out {tmp_path}'")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"executed notebooks: {tmp_path / 'executed'}" in r.stdout
+    index = tmp_path / "html" / "index.html"
+    assert f"HTML rendering:     {index}" in r.stdout
+    assert "00_start_here.html" in index.read_text()
+    assert "CHECK PASSED" in (tmp_path / "html" / "00_start_here.html").read_text()
+    assert "1 passed, 0 failed" in r.stdout
+
+
+def test_jupyter_lab_is_installed_with_the_kernel():
+    r = _run(f"{VENV_BIN}/jupyter lab --version")
+    assert r.returncode == 0 and re.match(r"\d+\.\d+", r.stdout.strip()), r.stdout + r.stderr
+    r = _run(f"{VENV_BIN}/jupyter kernelspec list --json")
+    assert r.returncode == 0 and '"python3"' in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.notebook
+def test_run_one_lesson_cli():
+    cmd = next(c for c in EXERCISED if "notebooks run notebooks/00" in c)
+    r = _run(_venv(cmd))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok   00_start_here.ipynb" in r.stdout and "1 passed, 0 failed" in r.stdout
+
+
+@pytest.mark.notebook
+def test_papermill_command(tmp_path):
+    cmd = next(c for c in EXERCISED if "papermill" in c).replace("output/00.ipynb", str(tmp_path / "00.ipynb"))
+    r = _run(_venv(cmd))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "CHECK PASSED" in (tmp_path / "00.ipynb").read_text()
+
+
+def test_gpu_commands(tmp_path):
+    run_cmd = next(c for c in EXERCISED if "--device cuda --world-size 2 --full" in c)
+    if GPU and torch.cuda.device_count() >= 2:
+        r = _run(_venv(run_cmd) + f" --out {tmp_path}", timeout=3600)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return
+    # On a CPU machine both forms must refuse clearly rather than run on the wrong hardware.
+    r = _run(_venv(run_cmd) + f" --out {tmp_path} notebooks/00_start_here.ipynb")
+    assert r.returncode != 0
+    assert "device='cuda' was requested but torch sees no CUDA device" in r.stdout + r.stderr
+
+def test_gpu_test_arguments_are_accepted():
+    """``make test ARGS=...`` passes its ARGS to pytest; the GPU node runs the whole suite with them
+    (that run is recorded in the README); here we check pytest accepts them and collects the lessons."""
+    pytest_cmd = next(c for c in EXERCISED if "--nb-device cuda" in c)
+    args = re.search(r'ARGS="([^"]+)"', pytest_cmd).group(1)
+    r = _run(f"{sys.executable} -m pytest {args} --collect-only -q tests/test_notebooks.py")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "test_lesson_runs[00_start_here]" in r.stdout
