@@ -6,6 +6,10 @@ hardware for the papermill runs; the defaults use all local GPUs, or 2 CPU ranks
 
 import os
 
+# Before anything imports triton: on a CPU-only machine this selects Triton's interpreter, and it
+# must happen before `triton.language` is first imported (it decorates its own tl.max & co. then).
+import tutorial_kernels  # noqa: F401  # isort: skip
+
 import pytest
 
 
