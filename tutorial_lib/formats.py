@@ -25,8 +25,10 @@ Overflow semantics (``saturate``):
 * ``saturate=False`` -- IEEE-style overflow: E5M2 overflows to +-inf (this is what torch's
   plain ``.to(torch.float8_e5m2)`` does); E4M3 has no inf, so an overflow becomes NaN (what
   c10's scalar conversion does for ``|x| > 464``).
-* default (``saturate=None``) -- ``FormatSpec.saturates``, i.e. torch's CPU cast: E4M3 saturates
-  (measured: torch 2.13 CPU maps 1e6 and inf to 448), E5M2 does not.
+* default (``saturate=None``) -- ``FormatSpec.saturates``, i.e. the *installed* torch's CPU cast,
+  probed at import (:data:`TORCH_E4M3_CAST_SATURATES`): it changed between releases. Measured:
+  torch 2.13 CPU maps 1e6 and inf to 448 (saturates); torch 2.11 maps them to NaN. E5M2 never
+  saturates. Never rely on a plain cast for quantization: it is version dependent.
 
 NaN keeps its sign bit (``-nan`` -> 0xFF), as torch does. E8M0 and E2M1 have their own
 rules, documented on ``encode``.
@@ -77,9 +79,16 @@ class FormatSpec:
         return 1 << self.bits
 
 
+def _probe_e4m3_cast_saturates() -> bool:
+    """Does this torch's plain CPU cast to float8_e4m3fn clip overflow to 448 (else NaN)?"""
+    return torch.tensor([1e6]).to(torch.float8_e4m3fn).view(torch.uint8).item() == 0x7E
+
+
+TORCH_E4M3_CAST_SATURATES: bool = _probe_e4m3_cast_saturates()
+
 FORMATS: dict[str, FormatSpec] = {
     "e4m3": FormatSpec("e4m3", 8, 4, 3, 7, 448.0, 2.0**-6, 2.0**-9, torch.float8_e4m3fn,
-                       has_inf=False, has_nan=True, signed=True, saturates=True),
+                       has_inf=False, has_nan=True, signed=True, saturates=TORCH_E4M3_CAST_SATURATES),
     "e5m2": FormatSpec("e5m2", 8, 5, 2, 15, 57344.0, 2.0**-14, 2.0**-16, torch.float8_e5m2,
                        has_inf=True, has_nan=True, signed=True, saturates=False),
     "e8m0": FormatSpec("e8m0", 8, 8, 0, 127, 2.0**127, 2.0**-127, None,
