@@ -1,0 +1,61 @@
+"""Benchmark: an optimizer step on FSDP2-style DTensor parameters vs the SAME local tensors as plain
+parameters, 2,000 parameters, one rank per GPU (2 GPUs).
+
+torch.optim.AdamW runs its foreach/fused kernels on DTensors through DTensor dispatch (sharding
+propagation per op over the parameter lists); FusedAdam unwraps each parameter's local tensor once
+per step and launches the same kernel either way. Goal (issue 6): FusedAdam's DTensor/plain ratio
+<= 1.05. Each rank holds 2,000 local shards of 49,000 elements (98M params per rank: the small-
+tensor case of bench_adam.py), timed with do_bench on the rank's GPU; rank 0's numbers are reported.
+
+    python benchmarks/bench_adam_fsdp2.py                 # 2 GPUs, results into benchmarks/results/
+    python benchmarks/bench_adam_fsdp2.py --quick         # 2 CPU ranks (gloo, interpreter), temp dir
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+
+from tutorial_lib.adam_reference import adam_bytes_per_element
+from tutorial_lib.bench import case, copy_bandwidth_GBps, write_results
+from tutorial_lib.fused_adam_fsdp2 import dtensor_overhead
+from tutorial_lib.launcher import launch
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/)")
+    parser.add_argument("--quick", action="store_true", help="2 CPU ranks, tiny sizes, results to a temp dir")
+    args = parser.parse_args(argv)
+    if args.quick:
+        device, n_params, numel, optimizers = "cpu", 20, 64, ("torch", "fused")
+        out = args.out or tempfile.mkdtemp(prefix="bench-adam-fsdp2-")
+    else:
+        if torch.cuda.device_count() < 2:
+            raise SystemExit("needs 2 GPUs; use --quick on a CPU")
+        device, n_params, numel, optimizers = "cuda", 2000, 49_000, ("torch", "torch_fused", "fused")
+        out = args.out or "benchmarks/results"
+    per_rank = launch(dtensor_overhead, world_size=2, device=device, args=(n_params, numel, 5, optimizers),
+                      timeout=600)
+    r = per_rank[0]
+    copy = copy_bandwidth_GBps(device)  # after the launch: the ranks had the GPUs to themselves
+    nbytes = adam_bytes_per_element(4, 4) * n_params * numel
+    names = {"torch": "torch AdamW (default)", "torch_fused": "torch AdamW fused", "fused": "FusedAdam"}
+    peers = {"FusedAdam plain params": r["fused_plain_ms"]}
+    for name in optimizers:
+        if name != "fused":
+            peers[f"{names[name]} DTensor"] = r[f"{name}_dtensor_ms"]
+            peers[f"{names[name]} plain"] = r[f"{name}_plain_ms"]
+    c = case(f"FusedAdam on {n_params:,} DTensor params ({numel:,} local elements each), rank 0 of 2",
+             r["fused_dtensor_ms"], peers=peers, nbytes=nbytes, copy_GBps=copy)
+    c["dtensor_over_plain"] = {names[n]: [round(x[f"{n}_ratio"], 3) for x in per_rank] for n in optimizers}
+    print(f"{c['name']}: {c['ours_ms']:.3f} ms, {c['fraction_of_copy']:.0%} of copy; DTensor/plain per rank: "
+          + ", ".join(f"{k} {v}" for k, v in c["dtensor_over_plain"].items()))
+    path = write_results(out, "adam_fsdp2", [c], copy, extra={"quick": args.quick, "world_size": 2})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

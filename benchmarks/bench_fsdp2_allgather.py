@@ -1,0 +1,105 @@
+"""Benchmark: FSDP2 all-gather of FP8 weights vs bf16 weights, same model, same run, 2 GPUs.
+
+The model is a BlockMLP of >= 1B parameters (default: 8 blocks of 4096 -> 16384 -> 4096, 1.07B,
+as in the torchao anchor of shared/FACTS.md), built with meta-device init and sharded per block.
+bf16 variant: every parameter bf16. FP8 variant: Linear weights per-tensor E4M3 (current scaling,
+amax all-reduced over the shard group) with the all-gather hooks of tutorial_lib.fsdp2_quantized;
+biases and norms bf16. Per variant, rank-max medians over a fixed number of steps:
+
+    bytes                 all-gather input bytes of one forward+backward, counted at torch.distributed
+    all-gather (replayed) the same all-gathers (sizes, dtypes) issued alone: the collective's own time
+    all-gather (in step)  NCCL all-gather kernel time inside real steps (CUDA profiler; overlaps compute)
+    step                  forward + backward (FP8: dequantize-on-use, no FP8 GEMM: compute is not the point)
+
+Goals (issue 5): FP8 bytes == FP8 codes + scales exactly (per-tensor scales travel as metadata, so
+this is the codes plus the bf16 non-weight parameters, ~50% of bf16) and FP8 all-gather time <= 60%
+of bf16's. Collectives are timed with CUDA events over a fixed rep count, not do_bench: do_bench picks
+its rep count per rank from a timing estimate, and ranks issuing different numbers of collectives hang.
+
+    python benchmarks/bench_fsdp2_allgather.py            # 2 GPUs, results into benchmarks/results/
+    python benchmarks/bench_fsdp2_allgather.py --quick    # 2 CPU ranks (gloo), tiny model, temp dir
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+
+import torch
+
+from tutorial_lib.bench import case, copy_bandwidth_GBps, write_results
+from tutorial_lib.fsdp2_quantized import allgather_benchmark
+from tutorial_lib.launcher import launch
+
+
+def expected_bytes(weights: list, world_size: int, fp8: bool) -> int:
+    """One all-gather round of every parameter, from the shapes alone: padded shard rows x row bytes."""
+    total = 0
+    for shape, is_weight in weights:
+        rows = -(-shape[0] // world_size)
+        total += rows * math.prod(shape[1:]) * (1 if (fp8 and is_weight) else 2)
+    return total
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/)")
+    parser.add_argument("--quick", action="store_true", help="2 CPU ranks, tiny model, results to a temp dir")
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=16384)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank per step")
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args(argv)
+    if args.quick:
+        device, dims, tokens, reps = "cpu", (64, 256, 2), 16, 3
+        out = args.out or tempfile.mkdtemp(prefix="bench-fsdp2-allgather-")
+    else:
+        if torch.cuda.device_count() < 2:
+            raise SystemExit("needs 2 GPUs; use --quick on a CPU")
+        device, dims, tokens, reps = "cuda", (args.dim, args.hidden, args.blocks), args.tokens, args.reps
+        out = args.out or "benchmarks/results"
+    ranks = launch(allgather_benchmark, world_size=2, device=device, args=(*dims, tokens, reps), timeout=900)
+    r = ranks[0]
+    copy = copy_bandwidth_GBps(device)  # after the launch: the ranks had the GPUs to themselves
+    bf16, fp8 = r["variants"]["bf16"], r["variants"]["fp8"]
+    for name, v in (("bf16", bf16), ("fp8", fp8)):
+        if not v["calls"]:
+            raise SystemExit(f"{name}: no all-gather was counted; FSDP2 calls a collective count_all_gathers misses")
+    rounds = fp8["calls"] // (dims[2] + 1)  # all-gathers per FSDP group per step (2: reshard after forward)
+    want = {name: rounds * expected_bytes(v["weights"], 2, name == "fp8") for name, v in (("bf16", bf16), ("fp8", fp8))}
+    goals = {
+        "fp8_bytes_equal_codes_plus_scales": fp8["bytes"] == want["fp8"] == rounds * fp8["expected"]["total"],
+        "bf16_bytes_as_expected": bf16["bytes"] == want["bf16"],
+        "fp8_allgather_time_le_60pct_of_bf16": fp8["allgather_replay_ms"] <= 0.6 * bf16["allgather_replay_ms"],
+    }
+    size = f"{r['params'] / 1e9:.2f}B params, {dims[2]} blocks {dims[0]}->{dims[1]}->{dims[0]}, 2 ranks"
+    cases = [
+        case(f"all-gathers of one step, replayed alone, FP8 vs bf16 ({size})", fp8["allgather_replay_ms"],
+             peers={"bf16": bf16["allgather_replay_ms"]}, nbytes=fp8["received"], copy_GBps=copy),
+        case(f"forward+backward step, FP8 weights vs bf16 ({size}, {tokens} tokens/rank)", fp8["step_ms"],
+             peers={"bf16": bf16["step_ms"]}, nbytes=fp8["received"], copy_GBps=copy),
+    ]
+    if "allgather_kernel_ms_in_step" in fp8:
+        cases.insert(1, case(f"all-gather kernels inside a step (profiler), FP8 vs bf16 ({size})",
+                             fp8["allgather_kernel_ms_in_step"], peers={"bf16": bf16["allgather_kernel_ms_in_step"]},
+                             nbytes=fp8["received"], copy_GBps=copy))
+    extra = {
+        "quick": args.quick, "world_size": 2, "params": r["params"], "tokens_per_rank": tokens, "reps": reps,
+        "bytes_per_step": {"fp8": fp8["bytes"], "bf16": bf16["bytes"], "fp8_over_bf16": fp8["bytes"] / bf16["bytes"]},
+        "allgather_replay_ms": {"fp8": fp8["allgather_replay_ms"], "bf16": bf16["allgather_replay_ms"],
+                                "fp8_over_bf16": fp8["allgather_replay_ms"] / bf16["allgather_replay_ms"]},
+        "goals": goals,
+    }
+    for c in cases:
+        print(f"{c['name']}: {c['ours_ms']:.3f} ms vs bf16 {c['peers']['bf16']:.3f} ms "
+              f"({c['ours_ms'] / c['peers']['bf16']:.2f}x)")
+    print(f"bytes per step: fp8 {fp8['bytes']:,} vs bf16 {bf16['bytes']:,} ({fp8['bytes'] / bf16['bytes']:.3f}x)")
+    print("goals: " + ", ".join(f"{k}={v}" for k, v in goals.items()))
+    path = write_results(out, "fsdp2_allgather", cases, copy, extra=extra)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,461 @@
+"""Fused AdamW in Triton: one tensor, then thousands of tensors in ONE launch.
+
+Reference: ``tutorial_lib.adam_reference`` (torch.optim.AdamW's op order). Lesson 07 builds these
+kernels step by step; ``tutorial_lib.fused_adam.FusedAdam`` is the optimizer that drives them.
+
+Multi-tensor launch with pointer tables
+---------------------------------------
+A step over 2,000 parameters must not cost 2,000 launches. We launch ONE grid whose programs
+each update one ``BLOCK``-sized chunk of one tensor. Two small device tables tell a program where
+to work::
+
+    chunks  int32 [2, C]   row 0: tensor id t of chunk c    row 1: chunk index inside tensor t
+    table   int64 [7, T]   rows: numel | weight | grad | exp_avg | exp_avg_sq | out | scale_inv
+                           (rows 1-6 hold raw addresses: data_ptr() of each tensor, 0 = none)
+
+    program c:  t = chunks[0, c];  start = chunks[1, c] * BLOCK
+                w = *(float*)table[1, t] + start ...   # cast an int64 to a typed pointer
+                if table[2, t] == 0: skip              # this tensor has no grad this step
+
+Parameters, gradients and optimizer state stay where they live (no packing copies); the tables
+are built once and only the grad row is rewritten when autograd hands out new gradient tensors.
+Chunks that fit entirely inside their tensor take an unmasked, 16-byte-vectorised path (when every
+address is 16-byte aligned, checked on the host); only each tensor's last chunk is masked.
+
+Why raw addresses need a guard: a wrapper tensor subclass (FP8, MXFP8, DTensor, ...) owns no
+storage and reports ``data_ptr() == 0``; writing that 0 into a table makes the kernel read and
+write address 0 (a segfault on the CPU interpreter, an illegal access on a GPU).
+:func:`raw_address` refuses such tensors with an error that says how to route them instead.
+
+Kernel variants (compile-time flags of the one kernel)::
+
+    OUT="none"  weight = fp32 param (or a fp32 master whose quantized param is requantized later)
+    OUT="lowp"  weight = fp32 master, out = bf16/fp16 param rounded from the new master (RNE)
+    OUT="fp8"   weight = fp32 master, out = FP8 bytes of master * scale[t], scale_inv = 1 / scale[t],
+                amax[t] = max|master|   (delayed scaling: the scale is known before the pass)
+
+Example::
+
+    from tutorial_kernels.adam import fused_adamw_
+    fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, steps=[1] * len(params),
+                 lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from tutorial_kernels import interpreted
+from tutorial_kernels.fp8_round import encode_fp8, round_to_bf16_grid
+
+from tutorial_lib.adam_reference import adam_step_scalars, adam_step_scalars_tensor
+
+ROW_NUMEL, ROW_WEIGHT, ROW_GRAD, ROW_EXP_AVG, ROW_EXP_AVG_SQ, ROW_OUT, ROW_SCALE_INV = range(7)
+N_ROWS = 7
+# the same row numbers as compile-time constants (a @triton.jit function may only read constexpr globals)
+_R_NUMEL, _R_WEIGHT, _R_GRAD, _R_EXP_AVG, _R_EXP_AVG_SQ, _R_OUT, _R_SCALE_INV = (tl.constexpr(r) for r in range(7))
+OUT_KINDS = ("none", "lowp", "fp8")
+FP8_FORMATS = ("e4m3", "e5m2")
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def default_block(max_numel: int | None = None) -> int:
+    """Elements per program. Compiled: 2048 (a few 16-byte loads in flight per thread and stream).
+    Interpreted: every program costs ~1 ms of Python plus numpy work on all BLOCK lanes, masked or
+    not, so BLOCK is the largest tensor's size rounded up to a power of two, at most 65,536."""
+    if not interpreted():
+        return 2048
+    if max_numel is None:
+        return 65536
+    return min(65536, max(16, triton.next_power_of_2(max_numel)))
+
+
+# --------------------------------------------------------------------------------------------
+# Device code
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _adamw_math(w, g, m, v, step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps):
+    """AdamW on fp32 registers, in torch.optim.AdamW's op order (see adam_reference)."""
+    w = w * decay
+    # torch's lerp: self + w * (end - self) for small weights, end - (end - self) * (1 - w) otherwise
+    m = tl.where(lerp_w < 0.5, m + lerp_w * (g - m), g - (g - m) * (1.0 - lerp_w))
+    v = v * beta2 + one_minus_beta2 * g * g
+    # IEEE sqrt and division (Triton's defaults are approximate on GPUs)
+    denom = tl.math.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    w = w - step_size * tl.math.div_rn(m, denom)
+    return w, m, v
+
+
+@triton.jit
+def _adam_chunk(
+    w_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, mask,
+    step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps, scale,
+    W_DTYPE: tl.constexpr, OUT: tl.constexpr, OUT_DTYPE: tl.constexpr, FP8_FMT: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """Update one chunk (``mask`` is None for a full chunk). Returns the chunk's max |new weight| as
+    fp32 BITS (int32 order: NaN > inf > finite, as scaling.amax), 0 unless OUT == "fp8".
+
+    bf16 stores are rounded on the fp32 grid first (round_to_bf16_grid): the interpreter's own
+    fp32 -> bf16 cast is wrong (kernels/fp8_round.py), so CPU and GPU store identical bytes."""
+    w = tl.load(w_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask)
+    v = tl.load(v_ptr + offs, mask=mask)
+    w, m, v = _adamw_math(w, g, m, v, step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps)
+    if W_DTYPE == tl.bfloat16:
+        tl.store(w_ptr + offs, round_to_bf16_grid(w).to(tl.bfloat16), mask=mask)
+    else:
+        tl.store(w_ptr + offs, w.to(W_DTYPE), mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+
+    amax_bits = 0
+    if OUT == "lowp":  # the bf16/fp16 parameter, rounded from the new fp32 master
+        if OUT_DTYPE == tl.bfloat16:
+            tl.store(o_ptr + offs, round_to_bf16_grid(w).to(tl.bfloat16), mask=mask)
+        else:
+            tl.store(o_ptr + offs, w.to(OUT_DTYPE), mask=mask)
+    elif OUT == "fp8":  # FP8 bytes of master * scale (saturating RNE) and the amax of the master
+        tl.store(o_ptr + offs, encode_fp8(w * scale, FP8_FMT), mask=mask)
+        bits = w.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        if not EVEN:
+            bits = tl.where(mask, bits, 0)
+        amax_bits = tl.max(bits, 0)
+    return amax_bits
+
+
+@triton.jit
+def _adam_multi_tensor_kernel(
+    chunks_ptr, C, table_ptr, T, hyper_ptr, scale_ptr, amax_ptr,
+    decay, lerp_w, beta2, one_minus_beta2, eps,
+    W_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, OUT: tl.constexpr, OUT_DTYPE: tl.constexpr,
+    FP8_FMT: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
+):
+    c = tl.program_id(0)
+    t = tl.load(chunks_ptr + c)
+    # A grad address of 0 means "no grad this step": torch.optim skips such params, so do we.
+    g_addr = tl.load(table_ptr + _R_GRAD * T + t)
+    if g_addr != 0:
+        n = tl.load(table_ptr + _R_NUMEL * T + t)
+        chunk = tl.load(chunks_ptr + C + c)
+        start = chunk.to(tl.int64) * BLOCK
+        offs = start + tl.arange(0, BLOCK)
+        # int64 addresses from the table -> typed pointers
+        w_ptr = tl.load(table_ptr + _R_WEIGHT * T + t).to(tl.pointer_type(W_DTYPE))
+        g_ptr = g_addr.to(tl.pointer_type(G_DTYPE))
+        m_ptr = tl.load(table_ptr + _R_EXP_AVG * T + t).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(table_ptr + _R_EXP_AVG_SQ * T + t).to(tl.pointer_type(tl.float32))
+        o_ptr = tl.load(table_ptr + _R_OUT * T + t).to(tl.pointer_type(OUT_DTYPE))
+        if ALIGNED:  # every address was checked on the host: tell the compiler, get 16-byte accesses
+            w_ptr = tl.multiple_of(w_ptr, 16)
+            g_ptr = tl.multiple_of(g_ptr, 16)
+            m_ptr = tl.multiple_of(m_ptr, 16)
+            v_ptr = tl.multiple_of(v_ptr, 16)
+            o_ptr = tl.multiple_of(o_ptr, 16)
+        step_size = tl.load(hyper_ptr + t)
+        bc2_sqrt = tl.load(hyper_ptr + T + t)
+        scale = 1.0
+        if OUT == "fp8":
+            scale = tl.load(scale_ptr + t)
+            if chunk == 0:  # one program per tensor stores the scale_inv that goes with the bytes
+                inv_ptr = tl.load(table_ptr + _R_SCALE_INV * T + t).to(tl.pointer_type(tl.float32))
+                tl.store(inv_ptr, tl.math.div_rn(1.0, scale))
+        if start + BLOCK <= n:  # a full chunk: no mask, vectorised
+            amax_bits = _adam_chunk(w_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, None,
+                                    step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps, scale,
+                                    W_DTYPE, OUT, OUT_DTYPE, FP8_FMT, True)
+            if OUT == "fp8":
+                tl.atomic_max(amax_ptr + t, amax_bits)
+        elif start < n:  # the tensor's last, partial chunk
+            amax_bits = _adam_chunk(w_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, offs < n,
+                                    step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps, scale,
+                                    W_DTYPE, OUT, OUT_DTYPE, FP8_FMT, False)
+            if OUT == "fp8":
+                tl.atomic_max(amax_ptr + t, amax_bits)
+        # else: an empty FP8 tensor's only chunk, there just to store scale_inv
+
+
+@triton.jit
+def _adam_single_tensor_kernel(
+    p_ptr, g_ptr, m_ptr, v_ptr, n, step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps,
+    BLOCK: tl.constexpr,
+):
+    """Lesson 07, step 1: AdamW on ONE contiguous fp32 tensor; program i updates block i."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    w = tl.load(p_ptr + offs, mask=mask)
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask)
+    v = tl.load(v_ptr + offs, mask=mask)
+    w, m, v = _adamw_math(w, g, m, v, step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps)
+    tl.store(p_ptr + offs, w, mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Host code
+# --------------------------------------------------------------------------------------------
+
+
+def raw_address(t: torch.Tensor, what: str) -> int:
+    """``t.data_ptr()`` for a kernel table, refusing tensors a raw-pointer kernel must not touch.
+
+    The guard that turns the "MXFP8 tensor routed into the bf16 kernel" crash into an error: a
+    wrapper subclass (quantized tensor, DTensor) reports ``data_ptr() == 0`` whatever its dtype says.
+    """
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and (t.numel() == 0 or t.data_ptr() == 0):
+        raise TypeError(
+            f"{what}: a {type(t).__name__} (nominal dtype {t.dtype}) has no storage of its own "
+            "(data_ptr() == 0): it is a wrapper tensor subclass, and a raw-pointer kernel would read "
+            "address 0. Route it by the storage protocol (tutorial_lib.quantized_tensor.is_quantized, "
+            "raw_buffers(), quantizer) or pass its local tensor, never by its dtype."
+        )
+    if t.numel() and t.data_ptr() == 0:
+        raise TypeError(f"{what}: tensor of shape {tuple(t.shape)} has data_ptr() == 0")
+    if not t.is_contiguous():
+        raise ValueError(f"{what}: the fused Adam kernel needs contiguous tensors, got strides {t.stride()}")
+    return t.data_ptr()
+
+
+@dataclass
+class AdamTables:
+    """Device tables for one multi-tensor launch; every tensor in it shares dtypes and variant."""
+
+    table: torch.Tensor  # int64 [7, T]
+    chunks: torch.Tensor  # int32 [2, C]
+    amax_bits: torch.Tensor | None  # int32 [T] (out == "fp8"): fp32 bit patterns of max|master|
+    numels: list[int]
+    w_dtype: torch.dtype
+    g_dtype: torch.dtype
+    out: str
+    out_dtype: torch.dtype | None
+    fp8_format: str | None
+    block: int
+    static_aligned: bool  # weight, state and out addresses all 16-byte aligned
+    grads_aligned: bool = False
+
+    @property
+    def n_tensors(self) -> int:
+        return len(self.numels)
+
+    @property
+    def n_chunks(self) -> int:
+        return self.chunks.shape[1]
+
+    @property
+    def amax(self) -> torch.Tensor | None:
+        """fp32 [T]: max |new master| per tensor after an FP8 launch (NaN if the master holds NaN)."""
+        return None if self.amax_bits is None else self.amax_bits.view(torch.float32)
+
+
+def _chunk_table(numels: list[int], block: int, device, at_least_one: bool) -> torch.Tensor:
+    counts = torch.tensor([max(triton.cdiv(n, block), int(at_least_one)) for n in numels], dtype=torch.int64)
+    tensor_id = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    first = torch.cumsum(counts, 0) - counts
+    index = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
+    return torch.stack([tensor_id, index]).to(torch.int32).to(device)
+
+
+def build_tables(
+    weights: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    *,
+    grad_dtype: torch.dtype,
+    outs: list[torch.Tensor] | None = None,
+    out_kind: str = "none",
+    scale_invs: list[torch.Tensor] | None = None,
+    fp8_format: str | None = None,
+    block: int | None = None,
+) -> AdamTables:
+    """Validate one bucket of tensors and write their addresses into device tables (once).
+
+    ``weights`` are fp32 params/masters (or bf16/fp16 params updated without a master). ``outs``
+    are the bf16/fp16 params (``out_kind="lowp"``) or the uint8 FP8 byte buffers (``"fp8"``, with
+    one fp32 ``scale_invs`` scalar each, rewritten by the kernel, and ``fp8_format``). Empty tensors
+    may be included: they get no chunk (FP8: one chunk that only stores scale_inv). Grad addresses
+    are filled per step by :func:`set_grads`.
+    """
+    if out_kind not in OUT_KINDS:
+        raise ValueError(f"out_kind must be one of {OUT_KINDS}, got {out_kind!r}")
+    n = len(weights)
+    if n == 0:
+        raise ValueError("build_tables needs at least one tensor")
+    if not (len(exp_avgs) == len(exp_avg_sqs) == n) or (outs is not None and len(outs) != n):
+        raise ValueError("weights, exp_avgs, exp_avg_sqs (and outs) need one entry per tensor")
+    if (out_kind == "none") != (outs is None):
+        raise ValueError(f"out_kind={out_kind!r} {'needs' if outs is None else 'takes no'} outs")
+    if (out_kind == "fp8") != (scale_invs is not None) or (out_kind == "fp8") != (fp8_format is not None):
+        raise ValueError("scale_invs and fp8_format are required with out_kind='fp8' and only then")
+    if out_kind == "fp8" and (fp8_format not in FP8_FORMATS or len(scale_invs) != n):
+        raise ValueError(f"fp8_format must be one of {FP8_FORMATS} with one scale_inv per tensor")
+    block = block or default_block(max(w.numel() for w in weights))
+    if block & (block - 1) or block < 16:
+        raise ValueError(f"block must be a power of two >= 16, got {block}")
+    device = weights[0].device
+    w_dtype = weights[0].dtype
+    if w_dtype not in _TL_DTYPES or grad_dtype not in _TL_DTYPES:
+        raise TypeError(f"weights and grads must be fp32, bf16 or fp16, got {w_dtype} / {grad_dtype}")
+    if out_kind != "none" and w_dtype != torch.float32:
+        raise TypeError(f"out_kind={out_kind!r} needs fp32 master weights, got {w_dtype}")
+    out_dtype = None
+    if outs is not None:
+        out_dtype = outs[0].dtype
+        allowed = (torch.bfloat16, torch.float16) if out_kind == "lowp" else (torch.uint8,)
+        if out_dtype not in allowed:
+            raise TypeError(f"out_kind={out_kind!r} writes {allowed}, got {out_dtype}")
+    rows = [[0] * n for _ in range(N_ROWS)]
+    numels = []
+    for i, w in enumerate(weights):
+        k = w.numel()
+        named = [("weight", w, w_dtype, ROW_WEIGHT), ("exp_avg", exp_avgs[i], torch.float32, ROW_EXP_AVG),
+                 ("exp_avg_sq", exp_avg_sqs[i], torch.float32, ROW_EXP_AVG_SQ)]
+        if outs is not None:
+            named.append(("out", outs[i], out_dtype, ROW_OUT))
+        for name, x, dtype, row in named:
+            if x.device != device or x.dtype != dtype or x.numel() != k:
+                raise ValueError(
+                    f"tensor {i} {name}: expected {k} elements of {dtype} on {device}, "
+                    f"got {x.numel()} of {x.dtype} on {x.device}"
+                )
+            rows[row][i] = raw_address(x, f"tensor {i} {name}")
+        if scale_invs is not None:
+            s = scale_invs[i]
+            if s.numel() != 1 or s.dtype != torch.float32 or s.device != device:
+                raise ValueError(f"tensor {i} scale_inv: need one fp32 value on {device}, "
+                                 f"got {s.dtype} {tuple(s.shape)} on {s.device}")
+            rows[ROW_SCALE_INV][i] = raw_address(s, f"tensor {i} scale_inv")
+        rows[ROW_NUMEL][i] = k
+        numels.append(k)
+    addresses = [a for r in (ROW_WEIGHT, ROW_EXP_AVG, ROW_EXP_AVG_SQ, ROW_OUT) for a in rows[r]]
+    return AdamTables(
+        table=torch.tensor(rows, dtype=torch.int64).to(device),
+        chunks=_chunk_table(numels, block, device, at_least_one=out_kind == "fp8"),
+        amax_bits=torch.zeros(n, dtype=torch.int32, device=device) if out_kind == "fp8" else None,
+        numels=numels, w_dtype=w_dtype, g_dtype=grad_dtype, out=out_kind, out_dtype=out_dtype,
+        fp8_format=fp8_format, block=block, static_aligned=all(a % 16 == 0 for a in addresses),
+    )
+
+
+def set_grads(tables: AdamTables, grad_addresses: torch.Tensor) -> None:
+    """Write this step's grad addresses (int64 [T] on the CPU, 0 = skip that tensor) into the table.
+
+    The addresses must come from :func:`raw_address`-checked tensors of the bucket's grad dtype.
+    The copy is queued on the current stream, after any launch still reading the old row.
+    """
+    if grad_addresses.shape != (tables.n_tensors,) or grad_addresses.dtype != torch.int64:
+        raise ValueError(f"need int64 [{tables.n_tensors}] grad addresses, got {grad_addresses.dtype} "
+                         f"{tuple(grad_addresses.shape)}")
+    tables.grads_aligned = bool((grad_addresses % 16 == 0).all())
+    tables.table[ROW_GRAD].copy_(grad_addresses, non_blocking=True)
+
+
+def launch_adamw(
+    tables: AdamTables, hyper: torch.Tensor, *, lr: float, betas: tuple[float, float], eps: float,
+    weight_decay: float, scales: torch.Tensor | None = None, num_warps: int = 4,
+) -> None:
+    """Run one multi-tensor AdamW step over ``tables``: ONE kernel launch.
+
+    ``hyper`` is the fp32 ``[2, T]`` table of per-tensor ``step_size`` and ``bias_correction2_sqrt``
+    (``tutorial_lib.adam_reference.adam_step_scalars_tensor``) on the tables' device. FP8 tables
+    take ``scales`` (fp32 [T], the scale in force per tensor); ``tables.amax`` is reset here and
+    holds max|new master| per tensor afterwards.
+    """
+    beta1, beta2 = betas
+    if hyper.shape != (2, tables.n_tensors) or hyper.dtype != torch.float32:
+        raise ValueError(f"hyper must be fp32 [2, {tables.n_tensors}], got {hyper.dtype} {tuple(hyper.shape)}")
+    if (tables.out == "fp8") != (scales is not None):
+        raise ValueError("scales are required for FP8 tables and only for them")
+    if scales is not None and (scales.shape != (tables.n_tensors,) or scales.dtype != torch.float32):
+        raise ValueError(f"scales must be fp32 [{tables.n_tensors}], got {scales.dtype} {tuple(scales.shape)}")
+    if tables.amax_bits is not None:
+        tables.amax_bits.zero_()
+    if tables.n_chunks == 0:
+        return
+    _adam_multi_tensor_kernel[(tables.n_chunks,)](
+        tables.chunks, tables.n_chunks, tables.table, tables.n_tensors, hyper,
+        scales if scales is not None else hyper,
+        tables.amax_bits if tables.amax_bits is not None else tables.chunks,
+        1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2, eps,
+        W_DTYPE=_TL_DTYPES[tables.w_dtype], G_DTYPE=_TL_DTYPES[tables.g_dtype], OUT=tables.out,
+        OUT_DTYPE={"lowp": _TL_DTYPES.get(tables.out_dtype), "fp8": tl.uint8}.get(tables.out, tl.float32),
+        FP8_FMT=tables.fp8_format or "e4m3", BLOCK=tables.block,
+        ALIGNED=tables.static_aligned and tables.grads_aligned, num_warps=num_warps,
+    )
+
+
+def fused_adamw_(
+    weights: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[int],
+    *,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    outs: list[torch.Tensor] | None = None,
+    out_kind: str = "none",
+    scales: torch.Tensor | None = None,
+    scale_invs: list[torch.Tensor] | None = None,
+    fp8_format: str | None = None,
+    block: int | None = None,
+) -> AdamTables:
+    """One AdamW step over many tensors with a single launch (tables built on the fly).
+
+    ``steps`` are the step counts AFTER this update (1 on the first step), one per tensor. FP8
+    output needs ``scales`` (fp32 [T]), ``scale_invs`` (written) and ``fp8_format``. Returns the
+    tables (``.amax`` holds the FP8 amaxes). The optimizer keeps its tables between steps
+    instead; this functional form is for tests and the lesson.
+    """
+    tables = build_tables(weights, exp_avgs, exp_avg_sqs, grad_dtype=grads[0].dtype, outs=outs,
+                          out_kind=out_kind, scale_invs=scale_invs, fp8_format=fp8_format, block=block)
+    if len(grads) != len(weights) or len(steps) != len(weights):
+        raise ValueError("need one grad and one step count per tensor")
+    addresses = []
+    for i, g in enumerate(grads):
+        if g.dtype != tables.g_dtype or g.numel() != tables.numels[i] or g.device != weights[i].device:
+            raise ValueError(f"grad {i}: expected {tables.numels[i]} elements of {tables.g_dtype} on "
+                             f"{weights[i].device}, got {g.numel()} of {g.dtype} on {g.device}")
+        addresses.append(raw_address(g, f"grad {i}") if g.numel() else 1)  # nonzero: "has a grad"
+    set_grads(tables, torch.tensor(addresses, dtype=torch.int64))
+    device = weights[0].device
+    hyper = adam_step_scalars_tensor(torch.tensor(steps, dtype=torch.float64), lr, *betas).to(device)
+    if scales is not None:
+        scales = torch.as_tensor(scales, dtype=torch.float32).reshape(-1).to(device)
+    launch_adamw(tables, hyper, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, scales=scales)
+    return tables
+
+
+def adamw_single_tensor_(
+    param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int,
+    *, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+    block: int | None = None,
+) -> None:
+    """Lesson 07, step 1: one launch per tensor (what multi-tensor launch then removes)."""
+    for name, x in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if x.dtype != torch.float32:
+            raise TypeError(f"{name} must be fp32, got {x.dtype}")
+        raw_address(x, name)
+    raw_address(grad, "grad")
+    n = param.numel()
+    if not (grad.numel() == exp_avg.numel() == exp_avg_sq.numel() == n):
+        raise ValueError("param, grad, exp_avg, exp_avg_sq must have the same number of elements")
+    if n == 0:
+        return
+    block = block or default_block()
+    beta1, beta2 = betas
+    step_size, bc2_sqrt = adam_step_scalars(step, lr, beta1, beta2)
+    _adam_single_tensor_kernel[(triton.cdiv(n, block),)](
+        param, grad, exp_avg, exp_avg_sq, n, step_size, bc2_sqrt, 1.0 - lr * weight_decay, 1.0 - beta1,
+        beta2, 1.0 - beta2, eps, BLOCK=block,
+    )

@@ -1,0 +1,296 @@
+"""FusedAdam on N ranks: the rank functions lesson 07, the FSDP2 tests and the 2-GPU benchmark run.
+
+Each function runs inside :func:`tutorial_lib.launcher.launch` (process group initialised, one
+device per rank) and returns plain picklable results::
+
+    from tutorial_lib.launcher import launch
+    from tutorial_lib.fused_adam_fsdp2 import fsdp2_fused_vs_torch
+    per_rank = launch(fsdp2_fused_vs_torch, world_size=2, device="cpu", args=(10,))
+
+* :func:`fsdp2_fused_vs_torch` -- one model, ``fully_shard`` ed twice (uneven and empty shards
+  included), trained with ``torch.optim.AdamW`` and with ``FusedAdam`` on the same batches.
+* :func:`fsdp2_dcp_roundtrip` -- DCP save/load of the FSDP2 model and FusedAdam state (fp32
+  masters included); the resumed run must continue bit for bit.
+* :func:`quantized_dtensor_step` -- DTensor parameters whose local shards are per-tensor FP8
+  (delayed scaling, fused kernel path) and current-scaling FP8 (requantize path), with amax
+  all-reduced over the group; compared with the reference AdamW on the fp32 shards.
+* :func:`dtensor_overhead` -- step time on DTensor parameters vs the same local tensors as plain
+  parameters, for torch's AdamW and for FusedAdam (many small parameters).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+
+from tutorial_lib.adam_reference import adamw_reference_step_
+from tutorial_lib.fused_adam import HP_INIT_ATTR, FusedAdam
+from tutorial_lib.launcher import rank_device
+
+__all__ = ["fsdp2_fused_vs_torch", "fsdp2_dcp_roundtrip", "quantized_dtensor_step", "dtensor_overhead",
+           "small_mlp"]
+
+
+def small_mlp(seed: int = 0) -> nn.Sequential:
+    """Odd sizes on purpose: 13 and 7 rows do not split evenly over 2 ranks, and the last layer's
+    weight [1, 7] and bias [1] leave rank 1 with EMPTY shards."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 13), nn.GELU(), nn.Linear(13, 7), nn.GELU(), nn.Linear(7, 1))
+
+
+def fsdp2_fused_vs_torch(steps: int = 10, lr: float = 1e-2, weight_decay: float = 0.1, seed: int = 0) -> dict:
+    """Train two FSDP2 copies of :func:`small_mlp` (torch AdamW vs FusedAdam); compare every step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = rank_device()
+    mesh = init_device_mesh(dev.type, (world,))
+    ref_model, fused_model = (_sharded_mlp(seed, torch.float32, mesh) for _ in range(2))
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=lr, weight_decay=weight_decay)
+    fused_opt = FusedAdam(fused_model.parameters(), lr=lr, weight_decay=weight_decay)
+    gen = torch.Generator().manual_seed(seed + 1000 * (rank + 1))  # each rank its own batches
+    losses, max_diff = [], []
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=gen).to(dev)
+        y = torch.randn(8, 1, generator=gen).to(dev)
+        step_losses = []
+        for model, opt in ((ref_model, ref_opt), (fused_model, fused_opt)):
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            step_losses.append(loss.item())
+        losses.append(step_losses)
+        max_diff.append(max(
+            (a.to_local() - b.to_local()).abs().max().item() if a.to_local().numel() else 0.0
+            for a, b in zip(ref_model.parameters(), fused_model.parameters())
+        ))
+    state_ok = []
+    for p in fused_model.parameters():
+        st = fused_opt.state[p]
+        state_ok.append(all(isinstance(st[k], DTensor) and st[k].placements == p.placements
+                            and st[k].shape == p.shape for k in ("exp_avg", "exp_avg_sq")))
+    return {
+        "rank": rank,
+        "losses": losses,
+        "max_abs_diff_per_step": max_diff,
+        "max_abs_param": max(p.to_local().abs().max().item() for p in ref_model.parameters()
+                             if p.to_local().numel()),
+        "local_shapes": [tuple(p.to_local().shape) for p in fused_model.parameters()],
+        "state_is_dtensor_like_param": all(state_ok),
+        "steps": [fused_opt.state[p]["step"].item() for p in fused_model.parameters()],
+        "ref_steps": [ref_opt.state[p]["step"].item() for p in ref_model.parameters()],
+    }
+
+
+def _sharded_mlp(seed: int, dtype: torch.dtype, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    model = small_mlp(seed).to(device=rank_device(), dtype=dtype)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _train(model, opt, steps: range, seed: int, dtype: torch.dtype) -> list[float]:
+    losses = []
+    for step in steps:  # batches depend only on (seed, rank, step): a resumed run sees the same data
+        gen = torch.Generator().manual_seed(seed + 1000 * dist.get_rank() + step)
+        x = torch.randn(8, 16, generator=gen).to(rank_device(), dtype)
+        y = torch.randn(8, 1, generator=gen).to(rank_device(), dtype)
+        loss = nn.functional.mse_loss(model(x).float(), y.float())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def fsdp2_dcp_roundtrip(checkpoint_dir: str, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+                        seed: int = 0) -> dict:
+    """Per dtype: save FSDP2 model + FusedAdam state with DCP after 3 steps, train 2 more; load the
+    checkpoint into a freshly built (differently initialised) model + optimizer, train the same 2.
+
+    With ``bfloat16`` the optimizer keeps fp32 master weights: they must travel through DCP as
+    fp32 DTensors, or the resumed run would restart from bf16-rounded masters.
+    ``checkpoint_dir`` must be the same path on every rank (one subdirectory per dtype).
+    """
+    import os
+
+    return {dtype: _dcp_roundtrip(os.path.join(checkpoint_dir, dtype), dtype, seed) for dtype in dtypes}
+
+
+def _dcp_roundtrip(checkpoint_dir: str, dtype: str, seed: int) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    dt = getattr(torch, dtype)
+    mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
+    kw = dict(lr=1e-2, weight_decay=0.1, master_weights=dt != torch.float32)
+    model = _sharded_mlp(seed, dt, mesh)
+    opt = FusedAdam(model.parameters(), **kw)
+    _train(model, opt, range(3), seed, dt)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=checkpoint_dir)
+    losses = _train(model, opt, range(3, 5), seed, dt)
+
+    model2 = _sharded_mlp(seed + 1, dt, mesh)
+    opt2 = FusedAdam(model2.parameters(), **kw)
+    msd2, osd2 = get_state_dict(model2, opt2)  # DCP initialises FusedAdam state with an lr=0 step
+    dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=checkpoint_dir)
+    set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
+    losses2 = _train(model2, opt2, range(3, 5), seed, dt)
+
+    same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), model2.parameters()))
+    keys = sorted({k for st in opt2.state.values() for k in st})
+    masters_fp32 = all(st["master_param"].dtype == torch.float32 and isinstance(st["master_param"], DTensor)
+                       for st in opt2.state.values()) if kw["master_weights"] else None
+    return {"rank": dist.get_rank(), "losses": losses, "resumed_losses": losses2, "params_bitwise_equal": same,
+            "state_keys": keys, "masters_fp32_dtensor": masters_fp32,
+            "steps": sorted({st["step"].item() for st in opt2.state.values()})}
+
+
+def quantized_dtensor_step(steps: int = 3, lr: float = 1e-2, rows: int = 9, cols: int = 16, seed: int = 0) -> dict:
+    """DTensor params with FP8 local shards: fused delayed scaling and requantized current scaling.
+
+    ``rows`` is sharded over the ranks (9 over 2: uneven). Every rank builds the same full fp32
+    weights, keeps its shard, and quantizes only that shard with a quantizer that all-reduces the
+    amax over the world group, so every rank ends up with the same scale. The high-precision shard
+    is preserved in ``HP_INIT_ATTR`` and seeds the master exactly.
+    """
+    from tutorial_lib.scaling import CurrentScaling, DelayedScaling, quantize_per_tensor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = rank_device()
+    mesh = init_device_mesh(dev.type, (world,))
+    group = dist.group.WORLD
+    torch.manual_seed(seed)
+    full = [torch.randn(rows, cols) for _ in range(2)]
+    full_grads = [[torch.randn(rows, cols) for _ in range(2)] for _ in range(steps)]
+    chunk = -(-rows // world)
+
+    def shard(x):
+        return x[rank * chunk:(rank + 1) * chunk].contiguous().to(dev)
+
+    quantizers = [DelayedScaling("e4m3", history_len=4, group=group), CurrentScaling("e4m3", group=group)]
+    params = []
+    for w, q in zip(full, quantizers):
+        local_hp = shard(w)
+        if isinstance(q, DelayedScaling):  # seed the history: the first scale comes from the init amax
+            q.quantize(local_hp.to(torch.bfloat16))
+        local_q = q.quantize(local_hp.to(torch.bfloat16))
+        p = nn.Parameter(DTensor.from_local(local_q, mesh, (Shard(0),), run_check=False,
+                                            shape=torch.Size((rows, cols)), stride=(cols, 1)))
+        # from_local wraps an alias of local_q: the attribute goes on the object the optimizer
+        # sees, p._local_tensor (first param), or on the parameter itself (second): both work.
+        setattr(p._local_tensor if not params else p, HP_INIT_ATTR, local_hp.clone())
+        params.append(p)
+    opt = FusedAdam(params, lr=lr, weight_decay=0.0, master_weights=True)
+    masters = [shard(w) for w in full]
+    ms = [torch.zeros_like(x) for x in masters]
+    vs = [torch.zeros_like(x) for x in masters]
+    max_master_err, bytes_equal, scales = 0.0, True, []
+    for step in range(1, steps + 1):
+        scale_in_force = quantizers[0].scale.to(dev).clone()
+        for i, p in enumerate(params):
+            g = shard(full_grads[step - 1][i]).to(torch.bfloat16)
+            p.grad = DTensor.from_local(g, mesh, (Shard(0),), run_check=False, shape=p.shape, stride=p.stride())
+            adamw_reference_step_(masters[i], g.float(), ms[i], vs[i], step, lr=lr, betas=(0.9, 0.999),
+                                  eps=1e-8, weight_decay=0.0)
+        opt.step()
+        for i, p in enumerate(params):
+            master = opt.state[p]["master_param"].to_local()
+            if master.numel():
+                max_master_err = max(max_master_err, (master - masters[i]).abs().max().item())
+        local = params[0].to_local()
+        master = opt.state[params[0]]["master_param"].to_local()
+        bytes_equal &= torch.equal(local.raw_buffers()["data"], quantize_per_tensor(master, scale_in_force, "e4m3"))
+        scales.append([params[i].to_local().raw_buffers()["scale_inv"].item() for i in range(2)])
+    return {
+        "rank": rank,
+        "routes": opt.routes()[0],
+        "local_rows": params[0].to_local().shape[0],
+        "max_master_err": max_master_err,
+        "fp8_bytes_equal_quantize_of_master": bool(bytes_equal),
+        "scale_inv_per_step": scales,
+        "state_is_dtensor": all(isinstance(opt.state[p][k], DTensor) for p in params
+                                for k in ("exp_avg", "exp_avg_sq", "master_param")),
+        "hp_init_consumed": not any(hasattr(p._local_tensor, HP_INIT_ATTR) or hasattr(p, HP_INIT_ATTR)
+                                    for p in params),
+    }
+
+
+def _time_pair(opts: dict, steps: int, device: torch.device) -> dict:
+    """Median milliseconds per ``step()`` for each optimizer in ``opts`` (first steps untimed).
+
+    CUDA: ``do_bench`` per optimizer. CPU: wall clock, the optimizers INTERLEAVED step by step, so
+    that a shared machine's load drifts into both measurements alike."""
+    from tutorial_lib.bench import bench_ms
+
+    for opt in opts.values():
+        opt.step()  # build tables / state outside the timing
+    if device.type == "cuda":
+        return {name: bench_ms(opt.step) for name, opt in opts.items()}
+    times = {name: [] for name in opts}
+    for _ in range(steps):
+        for name, opt in opts.items():
+            t = time.perf_counter()
+            opt.step()
+            times[name].append((time.perf_counter() - t) * 1e3)
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+
+
+_OPTIMIZERS = {
+    "torch": lambda ps: torch.optim.AdamW(ps, lr=1e-3),  # foreach on CUDA, single-tensor on CPU
+    "torch_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    "fused": lambda ps: FusedAdam(ps, lr=1e-3),  # ours
+}
+
+
+def dtensor_overhead(n_params: int = 200, numel: int = 64, steps: int = 3, optimizers=("torch", "fused")) -> dict:
+    """Step time on DTensor params vs the SAME local tensors as plain params, per optimizer
+    (names: "torch" = AdamW default, "torch_fused" = AdamW(fused=True), "fused" = FusedAdam).
+
+    Every parameter is a ``Shard(0)`` DTensor with a ``numel``-element local shard; the plain run
+    uses exactly those local tensors (and grads). torch's AdamW runs its foreach/fused kernels
+    on DTensors through DTensor dispatch (sharding propagation per op and parameter list);
+    FusedAdam unwraps the local tensors once per step.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = rank_device()
+    mesh = init_device_mesh(dev.type, (world,))
+    torch.manual_seed(rank)
+    locals_ = [torch.randn(numel, device=dev) for _ in range(n_params)]
+    grads = [torch.randn(numel, device=dev) for _ in range(n_params)]
+    shape = torch.Size((numel * world,))
+
+    def make(kind):
+        if kind == "plain":
+            params = [nn.Parameter(x.clone()) for x in locals_]
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            return params
+        params = [nn.Parameter(DTensor.from_local(x.clone(), mesh, (Shard(0),), run_check=False, shape=shape,
+                                                  stride=(1,))) for x in locals_]
+        for p, g in zip(params, grads):
+            p.grad = DTensor.from_local(g.clone(), mesh, (Shard(0),), run_check=False, shape=shape, stride=(1,))
+        return params
+
+    out = {"rank": rank, "n_params": n_params, "local_numel": numel}
+    for name in optimizers:
+        ms = _time_pair({kind: _OPTIMIZERS[name](make(kind)) for kind in ("plain", "dtensor")}, steps, dev)
+        out[f"{name}_plain_ms"], out[f"{name}_dtensor_ms"] = ms["plain"], ms["dtensor"]
+        out[f"{name}_ratio"] = ms["dtensor"] / ms["plain"]
+    # the same 2 FusedAdam steps on both kinds of parameters give bit-identical local values
+    finals = []
+    for kind in ("plain", "dtensor"):
+        params = make(kind)
+        opt = FusedAdam(params, lr=1e-3)
+        opt.step()
+        opt.step()
+        finals.append([p.detach()._local_tensor if kind == "dtensor" else p.detach() for p in params])
+    out["fused_dtensor_equals_plain"] = all(torch.equal(a, b) for a, b in zip(*finals))
+    return out
