@@ -152,3 +152,19 @@ def test_concurrent_launches_are_isolated_and_leave_no_temp_files(tmp_path):
     assert len(rank_tmps) == 4, "each rank of each launch gets its own temp dir"
     for d in tmpdirs:
         assert list(d.iterdir()) == [], f"launch left files behind in TMPDIR: {list(d.iterdir())}"
+
+
+def test_a_failed_rendezvous_is_retried_once_with_a_fresh_port(tmp_path, monkeypatch, capsys):
+    marker = tmp_path / "fault"
+    monkeypatch.setenv("TUTORIAL_LAUNCH_FAULT", str(marker))
+    out = launch(demos.rank_identity, world_size=2, device="cpu", timeout=120)
+    assert marker.exists(), "the first attempt's rank 1 failed its rendezvous"
+    assert [r["rank"] for r in out] == [0, 1]
+    assert "rendezvous failed before rank_identity ran" in capsys.readouterr().out
+
+
+def test_a_failure_inside_user_code_is_never_retried(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUTORIAL_LAUNCH_FAULT", str(tmp_path / "unused"))
+    (tmp_path / "unused").touch()  # fault already spent: only the user-code failure remains
+    with pytest.raises(RankFailed, match="boom-once"):
+        launch(demos.fail_on_rank, world_size=2, device="cpu", args=(1, "boom-once"), timeout=120, echo=False)

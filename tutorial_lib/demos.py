@@ -84,3 +84,4 @@ def report_pid_then_hang(pid_dir: str, seconds: float = 3600.0) -> None:
     with open(os.path.join(pid_dir, f"{dist.get_rank()}.pid"), "w") as fh:
         fh.write(str(os.getpid()))
     time.sleep(seconds)
+

@@ -131,10 +131,15 @@ def _rank_main(
         else:
             _RANK_DEVICE = torch.device("cpu")
         timeout = datetime.timedelta(seconds=collective_timeout)
-        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
-        dist.init_process_group(
-            backend_for(device_type), store=store, rank=rank, world_size=world_size, timeout=timeout
-        )
+        try:
+            _inject_rendezvous_fault(rank)
+            store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+            dist.init_process_group(
+                backend_for(device_type), store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
+        except BaseException:  # noqa: B036 - marks a failed rendezvous: the launch may be retried
+            open(os.path.join(tmp, f"rank{rank}.rendezvous_failed"), "w").close()
+            raise
         result = _to_cpu(fn(*args, **kwargs))
         with open(os.path.join(tmp, f"rank{rank}.result.part"), "wb") as fh:
             pickle.dump(result, fh)
@@ -149,6 +154,15 @@ def _rank_main(
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _inject_rendezvous_fault(rank: int) -> None:
+    """Fault injection for the launcher's tests: if ``TUTORIAL_LAUNCH_FAULT`` names a file that does
+    not exist yet, rank 1 creates it and fails its rendezvous (so exactly one attempt fails)."""
+    path = os.environ.get("TUTORIAL_LAUNCH_FAULT")
+    if path and rank == 1 and not os.path.exists(path):
+        open(path, "w").close()
+        raise RuntimeError("Gloo connectFullMesh failed (injected by TUTORIAL_LAUNCH_FAULT)")
 
 
 class _LogTail:
@@ -270,6 +284,32 @@ def launch(
             f"{fn.__qualname__} must be defined at the top level of an importable module: spawned "
             "ranks import it by name, and a function defined in a notebook or script cannot be found there"
         )
+    for attempt in range(1 + _RENDEZVOUS_RETRIES):
+        try:
+            return _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout, echo)
+        except _RendezvousFailed as exc:
+            if attempt == _RENDEZVOUS_RETRIES:
+                raise exc.error from None
+            print(f"[launcher] rendezvous failed before {fn.__qualname__} ran ({exc.error.args[0].splitlines()[-1]}); "
+                  "retrying once with a fresh port", flush=True)
+    raise AssertionError("unreachable")
+
+
+class _RendezvousFailed(Exception):
+    """A rank failed inside init_process_group, before user code ran: safe to launch again."""
+
+    def __init__(self, error: RankFailed):
+        super().__init__(str(error))
+        self.error = error
+
+
+# gloo's full-mesh connect occasionally fails under heavy load on one machine ("connectFullMesh
+# failed ... Connection closed by peer"); no user code has run then, so one fresh attempt is safe.
+_RENDEZVOUS_RETRIES = 1
+
+
+def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout, echo) -> list:
+    """One attempt: spawn, supervise, collect; see the module docstring for the protocol."""
     tmp = tempfile.mkdtemp(prefix="tutorial-launch-")
     store = dist.TCPStore(
         "127.0.0.1", 0, world_size + 1, True, datetime.timedelta(seconds=collective_timeout),
@@ -292,7 +332,10 @@ def launch(
             except ProcessException as exc:
                 _stop(context)
                 tail.pump(final=True)
-                raise _failure_message(tmp, world_size, context, tail, exc.error_index) from None
+                error = _failure_message(tmp, world_size, context, tail, exc.error_index)
+                if os.path.exists(os.path.join(tmp, f"rank{error.rank}.rendezvous_failed")):
+                    raise _RendezvousFailed(error) from None
+                raise error from None
             if time.monotonic() > deadline:
                 running = [r for r, p in enumerate(context.processes) if p.is_alive()]
                 _stop(context)
