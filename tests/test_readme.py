@@ -119,3 +119,12 @@ def test_gpu_test_arguments_are_accepted():
     r = _run(f"{sys.executable} -m pytest {args} --collect-only -q tests/test_notebooks.py")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "test_lesson_runs[00_start_here]" in r.stdout
+
+
+def test_benchmark_table_matches_recorded_results():
+    from tutorial_lib.bench import README_END, README_START, results_markdown
+
+    block = README.split(README_START, 1)[1].split(README_END, 1)[0].strip()
+    assert block == results_markdown(ROOT / "benchmarks" / "results").strip(), (
+        "README's benchmark table is stale: run `python -m tutorial_lib.bench`"
+    )
