@@ -44,13 +44,16 @@ def main(argv=None) -> None:
     nbytes = adam_bytes_per_element(4, 4) * n_params * numel
     names = {"torch": "torch AdamW (default)", "torch_fused": "torch AdamW fused", "fused": "FusedAdam"}
     peers = {"FusedAdam plain params": r["fused_plain_ms"]}
-    for name in optimizers:
+    measured = [n for n in optimizers if f"{n}_ratio" in r]
+    for name in measured:
         if name != "fused":
             peers[f"{names[name]} DTensor"] = r[f"{name}_dtensor_ms"]
             peers[f"{names[name]} plain"] = r[f"{name}_plain_ms"]
     c = case(f"FusedAdam on {n_params:,} DTensor params ({numel:,} local elements each), rank 0 of 2",
              r["fused_dtensor_ms"], peers=peers, nbytes=nbytes, copy_GBps=copy)
-    c["dtensor_over_plain"] = {names[n]: [round(x[f"{n}_ratio"], 3) for x in per_rank] for n in optimizers}
+    c["dtensor_over_plain"] = {names[n]: [round(x[f"{n}_ratio"], 3) for x in per_rank] for n in measured}
+    c["errors"] = {names[n]: r[f"{n}_error"] for n in optimizers if f"{n}_error" in r}
+    c["fused_dtensor_equals_plain"] = all(x["fused_dtensor_equals_plain"] for x in per_rank)
     print(f"{c['name']}: {c['ours_ms']:.3f} ms, {c['fraction_of_copy']:.0%} of copy; DTensor/plain per rank: "
           + ", ".join(f"{k} {v}" for k, v in c["dtensor_over_plain"].items()))
     path = write_results(out, "adam_fsdp2", [c], copy, extra={"quick": args.quick, "world_size": 2})

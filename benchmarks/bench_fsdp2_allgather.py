@@ -81,7 +81,7 @@ def main(argv=None) -> None:
         case(f"forward+backward step, FP8 weights vs bf16 ({size}, {tokens} tokens/rank)", fp8["step_ms"],
              peers={"bf16": bf16["step_ms"]}, nbytes=fp8["received"], copy_GBps=copy),
     ]
-    if "allgather_kernel_ms_in_step" in fp8:
+    if fp8.get("allgather_kernel_ms_in_step") and bf16.get("allgather_kernel_ms_in_step"):  # CUDA profiler found them
         cases.insert(1, case(f"all-gather kernels inside a step (profiler), FP8 vs bf16 ({size})",
                              fp8["allgather_kernel_ms_in_step"], peers={"bf16": bf16["allgather_kernel_ms_in_step"]},
                              nbytes=fp8["received"], copy_GBps=copy))
@@ -90,6 +90,8 @@ def main(argv=None) -> None:
         "bytes_per_step": {"fp8": fp8["bytes"], "bf16": bf16["bytes"], "fp8_over_bf16": fp8["bytes"] / bf16["bytes"]},
         "allgather_replay_ms": {"fp8": fp8["allgather_replay_ms"], "bf16": bf16["allgather_replay_ms"],
                                 "fp8_over_bf16": fp8["allgather_replay_ms"] / bf16["allgather_replay_ms"]},
+        "allgather_kernel_ms_in_step": {"fp8": fp8.get("allgather_kernel_ms_in_step"),
+                                        "bf16": bf16.get("allgather_kernel_ms_in_step")},
         "goals": goals,
     }
     for c in cases:

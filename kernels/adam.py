@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 from tutorial_kernels import interpreted
-from tutorial_kernels.fp8_round import encode_fp8, round_to_bf16_grid
+from tutorial_kernels.fp8_round import encode_fp8, to_bf16
 
 from tutorial_lib.adam_reference import adam_step_scalars, adam_step_scalars_tensor
 
@@ -102,15 +102,15 @@ def _adam_chunk(
     """Update one chunk (``mask`` is None for a full chunk). Returns the chunk's max |new weight| as
     fp32 BITS (int32 order: NaN > inf > finite, as scaling.amax), 0 unless OUT == "fp8".
 
-    bf16 stores are rounded on the fp32 grid first (round_to_bf16_grid): the interpreter's own
-    fp32 -> bf16 cast is wrong (kernels/fp8_round.py), so CPU and GPU store identical bytes."""
+    bf16 stores go through fp8_round.to_bf16: the interpreter's own fp32 -> bf16 cast is wrong
+    (carries, ties, subnormals; kernels/fp8_round.py), so CPU and GPU store identical bytes."""
     w = tl.load(w_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask)
     v = tl.load(v_ptr + offs, mask=mask)
     w, m, v = _adamw_math(w, g, m, v, step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps)
     if W_DTYPE == tl.bfloat16:
-        tl.store(w_ptr + offs, round_to_bf16_grid(w).to(tl.bfloat16), mask=mask)
+        tl.store(w_ptr + offs, to_bf16(w), mask=mask)
     else:
         tl.store(w_ptr + offs, w.to(W_DTYPE), mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
@@ -119,7 +119,7 @@ def _adam_chunk(
     amax_bits = 0
     if OUT == "lowp":  # the bf16/fp16 parameter, rounded from the new fp32 master
         if OUT_DTYPE == tl.bfloat16:
-            tl.store(o_ptr + offs, round_to_bf16_grid(w).to(tl.bfloat16), mask=mask)
+            tl.store(o_ptr + offs, to_bf16(w), mask=mask)
         else:
             tl.store(o_ptr + offs, w.to(OUT_DTYPE), mask=mask)
     elif OUT == "fp8":  # FP8 bytes of master * scale (saturating RNE) and the amax of the master

@@ -173,6 +173,8 @@ def test_bf16_rounding_carries_and_ties():
     bits = torch.randint(0, 2**16, (n,), generator=g, dtype=torch.int32) | 0x3F800000  # mantissa low bits random
     bits[::3] = (bits[::3] & ~0xFFFF) | 0x8000  # exact ties
     bits[1::3] |= 0x7FFF  # just below a carry
+    if DEV == "cpu":  # fp32 subnormals (the interpreter's bf16 cast flushed them); a GPU may flush them in math
+        bits[2::5] = torch.randint(1, 0x00800000, bits[2::5].shape, generator=g, dtype=torch.int32)
     master = bits.view(torch.float32).to(DEV)
     zero = torch.zeros(n, device=DEV)
     out = torch.empty(n, dtype=torch.bfloat16, device=DEV)
@@ -304,6 +306,7 @@ def test_kernel_compiles_for_sm90_and_vectorises_when_aligned():
     sqrt/division (as torch), hardware satfinite FP8 conversion and the amax atomic."""
     import json
     import os
+    import re
     import subprocess
     import sys
 
@@ -319,4 +322,4 @@ def test_kernel_compiles_for_sm90_and_vectorises_when_aligned():
         assert ptx[f"{name}_True"].count("st.global.v4") >= 12, f"{name}: stores are not vectorised"
         assert "div.rn.f32" in ptx[f"{name}_True"] and "sqrt.rn.f32" in ptx[f"{name}_True"]
     assert "cvt.rn.satfinite.e4m3x2" in ptx["fp8_True"]
-    assert "atom.global.gpu.acq_rel.max.s32" in ptx["fp8_True"] or "max.s32" in ptx["fp8_True"]
+    assert re.search(r"(atom|red)\.global\.[a-z_.]*max\.s32", ptx["fp8_True"]), "no integer atomic max for amax"

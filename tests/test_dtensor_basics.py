@@ -16,6 +16,7 @@ from tutorial_lib import dtensor_basics as db
 from tutorial_lib.fsdp2_quantized import run_sequence
 from tutorial_lib.launcher import launch
 from tutorial_lib.models import BlockMLP, counter_uniform, local_rows, shard_rows
+from tutorial_lib.runtime import resolve_device
 
 
 @pytest.fixture(autouse=True)
@@ -129,10 +130,11 @@ def test_models_with_the_same_seed_are_identical():
 
 
 @pytest.fixture(scope="module")
-def lesson05():
+def lesson05(request):
+    device = resolve_device(request.config.getoption("--nb-device"))  # CPU in CI; 2 GPUs where present
     calls = [(db.placements_demo, {"rows": 4, "cols": 6}), (db.redistribute_demo, {}),
              (db.quantized_dtensor_demo, {"rows": 8, "cols": 16}), (db.init_pitfall_demo, {"dim": 8, "hidden": 6})]
-    ranks = launch(run_sequence, world_size=2, device="cpu", args=(calls,), timeout=240, echo=False)
+    ranks = launch(run_sequence, world_size=2, device=device, args=(calls,), timeout=240, echo=False)
     return [dict(zip(["placements", "redistribute", "quantized", "pitfall"], r)) for r in ranks]
 
 

@@ -1,6 +1,7 @@
 """FSDP2 all-gather hooks for quantized tensors (tutorial_lib.fsdp2_quantized), on 2 CPU ranks.
 
-ONE launch (module fixture) runs every scenario; the tests then check the results:
+ONE launch (module fixture) runs every scenario -- on CPU, or on 2 GPUs with ``--nb-device cuda`` /
+where GPUs are visible -- and the tests then check the results:
 
 * training: the sharded quantized model after N AdamW steps (fp32 masters, plain torch.optim.AdamW)
   equals the single-process quantized model bit for bit -- the derived tolerance is ZERO, because
@@ -16,7 +17,6 @@ ONE launch (module fixture) runs every scenario; the tests then check the result
 """
 
 import pytest
-import torch
 
 from tutorial_lib.fsdp2_quantized import (
     allgather_demo,
@@ -28,6 +28,7 @@ from tutorial_lib.fsdp2_quantized import (
 )
 from tutorial_lib.launcher import launch
 from tutorial_lib.quantized_init import train_compare
+from tutorial_lib.runtime import resolve_device
 
 pytestmark = pytest.mark.distributed
 
@@ -45,11 +46,32 @@ SCENARIOS = {
 TRAINING = [k for k, (fn, _) in SCENARIOS.items() if fn is train_compare]
 
 
-@pytest.fixture(scope="module")
-def results():
-    ranks = launch(run_sequence, world_size=WS, device="cpu", args=(list(SCENARIOS.values()),), timeout=400,
+UNEVEN = ("fp8 uneven",)  # in a launch of its own: a failure there (e.g. fully_shard of an uneven META shard)
+#                            must not take the other scenarios down with it
+
+
+def _run(request, names):
+    device = resolve_device(request.config.getoption("--nb-device"))  # CPU in CI; 2 GPUs where present
+    ranks = launch(run_sequence, world_size=WS, device=device, args=([SCENARIOS[n] for n in names],), timeout=400,
                    echo=False)
-    return [dict(zip(SCENARIOS, r)) for r in ranks]
+    return [dict(zip(names, r)) for r in ranks]
+
+
+@pytest.fixture(scope="module")
+def even_results(request):
+    return _run(request, [n for n in SCENARIOS if n not in UNEVEN])
+
+
+@pytest.fixture(scope="module")
+def uneven_results(request):
+    return _run(request, list(UNEVEN))
+
+
+@pytest.fixture
+def results(request):
+    """The per-rank results of the scenario a test is parametrized with (or of all even ones)."""
+    name = request.node.callspec.params.get("name") if hasattr(request.node, "callspec") else None
+    return request.getfixturevalue("uneven_results" if name in UNEVEN else "even_results")
 
 
 def _rows(n):

@@ -24,6 +24,7 @@ from tutorial_lib.quantized_init import (
     track_peak_memory,
 )
 from tutorial_lib.quantized_tensor import QuantizedTensor, is_quantized
+from tutorial_lib.runtime import resolve_device
 from tutorial_lib.scaling import CurrentScaling, DelayedScaling
 
 
@@ -174,9 +175,11 @@ def test_track_peak_memory_on_cpu_is_exact():
 
 
 @pytest.mark.distributed
-def test_quantized_meta_init_peak_is_below_bf16_init():
-    dim, hidden, n_blocks = 256, 1024, 2
-    res = launch(init_memory_demo, world_size=2, device="cpu", args=(dim, hidden, n_blocks), timeout=240,
+def test_quantized_meta_init_peak_is_below_bf16_init(request):
+    device = resolve_device(request.config.getoption("--nb-device"))  # CPU in CI; 2 GPUs where present
+    # large enough that the generator's chunk buffers (chunk_elems: 0.2 MB CPU, 25 MB GPU) stay small next to it
+    dim, hidden, n_blocks = (256, 1024, 2) if device.type == "cpu" else (2048, 8192, 2)
+    res = launch(init_memory_demo, world_size=2, device=device, args=(dim, hidden, n_blocks), timeout=240,
                  echo=False)
     for r in res:
         v = r["variants"]

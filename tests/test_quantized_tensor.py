@@ -322,3 +322,17 @@ def test_trace_dispatch_reports_what_happened_without_warning():
     assert by["add"]["fallbacks"] == ["aten.add.Tensor"] and not by["add"]["quantized"]
     assert by["mul_"]["requantized"] == ["aten.mul_.Tensor"] and by["mul_"]["quantized"]
     assert qt.get_fallback_mode() == "warn"
+
+
+def test_foreach_inplace_ops_update_quantized_tensors_instead_of_dropping_the_update():
+    """AdamW(foreach=True) runs torch._foreach_*_ on lists: the update must reach the FP8 bytes."""
+    torch.manual_seed(7)
+    hp = torch.randn(16, 32)
+    q = Float8Tensor.from_high_precision(hp, scale=32.0, fmt="e4m3")
+    plain = torch.randn(4)
+    before = q.dequantize().clone()
+    delta = torch.randn(16, 32) * 0.5
+    torch._foreach_add_([q, plain], [delta, torch.ones(4)])
+    expected = Float8Tensor.from_high_precision(before + delta, scale=32.0, fmt="e4m3").dequantize()
+    assert torch.equal(q.dequantize(), expected)
+    assert not torch.equal(q.dequantize(), before)

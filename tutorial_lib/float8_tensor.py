@@ -163,6 +163,9 @@ class Float8Tensor(QuantizedTensor):
         self._data.copy_(_quantize_bytes(hp, self._scale_inv.reciprocal(), self._fmt))
 
     def _copy_raw(self, src: Float8Tensor, non_blocking: bool) -> None:
+        if self._data.is_meta:  # meta shards (FSDP2 on a meta model, uneven dim 0): nothing to compare
+            self._data.copy_(src._data)
+            return
         if self._view_root is None:  # dst owns its scale: bytes + scale, bit-exact
             self._data.copy_(src._data, non_blocking=non_blocking)
             self._scale_inv.copy_(src._scale_inv, non_blocking=non_blocking)

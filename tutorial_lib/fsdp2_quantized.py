@@ -37,11 +37,19 @@ before anything is allocated.
 Example::
 
     import tutorial_lib.fsdp2_quantized as fq            # attaches the hooks
-    fq.fully_shard_blocks(model, mesh, reshard_after_forward=True)
+    fq.fully_shard_blocks(model, mesh, reshard_after_forward=True)   # model: quantized on meta first
     with fq.count_all_gathers() as log:
         model(x).sum().backward()
-    log.input_bytes                                        # bytes this rank contributed
-    fq.expected_all_gather_bytes(model)                    # the same number, from the parameters
+    log.input_bytes                                        # bytes this rank contributed, forward + backward
+    2 * fq.expected_all_gather_bytes(model)["total"]       # the same number, from the parameters' buffers
+    with fq.verify_shared_scales():                        # debug: per-tensor scales equal on all ranks?
+        model(x).sum().backward()
+
+Module map: the hooks and :func:`attach_fsdp2_hooks`; :func:`check_fsdp_shardable` and
+:func:`dim0_granularity`; :func:`fully_shard_blocks`; :func:`count_all_gathers` and
+:func:`expected_all_gather_bytes`; then the rank functions of lesson 06, its tests and
+``benchmarks/bench_fsdp2_allgather.py`` (:func:`allgather_demo`, :func:`pitfall_demo`,
+:func:`allgather_benchmark`, :func:`run_sequence`).
 """
 
 from __future__ import annotations
@@ -61,6 +69,13 @@ from tutorial_lib.view_policy import allow_flat_views
 
 __all__ = [
     "AllGatherLog",
+    "allgather_benchmark",
+    "allgather_demo",
+    "manual_unshard",
+    "pitfall_demo",
+    "rank_setup",
+    "record_quantized_dispatch",
+    "run_sequence",
     "ScaleMismatchError",
     "UnshardableError",
     "attach_fsdp2_hooks",
@@ -172,19 +187,21 @@ def _padded_rows(buf: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _check_replicated(name: str, buf: torch.Tensor, group) -> None:
-    bits = buf.detach().reshape(1).clone().view(torch.int32)
-    hi, lo = bits.clone(), bits.clone()
+    """Raise on every rank if the ranks' copies of a 0-d buffer differ (bytewise MAX == MIN)."""
+    byte_vals = buf.detach().reshape(1).contiguous().view(torch.uint8).to(torch.int32)
+    hi, lo = byte_vals.clone(), byte_vals.clone()
     dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
     dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
     if not torch.equal(hi, lo):
         raise ScaleMismatchError(
-            f"buffer {name!r} differs across the shard group (bit patterns {lo.item():#x} .. {hi.item():#x}): "
+            f"buffer {name!r} differs across the shard group (bytes {lo.tolist()} .. {hi.tolist()}): "
             "each shard was quantized with its own scale, so gathered codes would be decoded with the wrong "
             "one. Quantize with an amax all-reduce over the shard group (e.g. CurrentScaling(group=...))."
         )
 
 
 def _pre_all_gather(self: QuantizedTensor, mesh, outer_size=None):
+    """All-gather inputs (dim >= 1 buffers, padded to ``ceil(N / ws)`` rows) and metadata (0-d buffers)."""
     gathered, replicated = split_buffers(self)
     bufs = self.raw_buffers()
     if outer_size is None:  # 1-arg form: no global shape; shards must be even (checked at init)
@@ -202,10 +219,11 @@ def _pre_all_gather(self: QuantizedTensor, mesh, outer_size=None):
             b = _padded_rows(b, rows)
         inputs.append(b.contiguous())
     ratios = tuple(rows // max(1, i.shape[0]) for i in inputs)
-    if _verify:
+    if _verify:  # the 0-d buffers travel as metadata: each rank decodes everyone's rows with its own copy
         group = mesh.get_group()
         for name in replicated:
             _check_replicated(name, bufs[name], group)
+    # a copy of the scale: the optimizer requantizes the shard in place while the unsharded tensor lives on
     meta = _GatherMeta(type(self), self.meta(), gathered, ratios, {n: bufs[n].clone() for n in replicated}, shape)
     return tuple(inputs), meta
 
@@ -230,7 +248,7 @@ def _fsdp_post_all_gather(self, all_gather_outputs, metadata: _GatherMeta, param
         bufs[name] = o if o.shape[0] == rows else o.narrow(0, 0, rows)  # drop the padding rows
     bufs.update(m.replicated)
     shape = m.shape if m.shape is not None else (n_rows, *self.shape[1:])
-    if out is not None:
+    if out is not None:  # 2nd+ call: `out` is the unsharded parameter FSDP2 kept (a DTensor for 2-D meshes)
         dst = local_tensor(out)
         if _post_mode == "copy":  # THE TRAP (lesson 06): bumps out's version counter, saved by autograd
             out.copy_(m.cls.from_buffers(bufs, m.meta, shape, param_dtype))
@@ -238,8 +256,9 @@ def _fsdp_post_all_gather(self, all_gather_outputs, metadata: _GatherMeta, param
         for name, b in bufs.items():
             d = dst.__dict__["_" + name]
             if not (d.data_ptr() == b.data_ptr() and d.shape == b.shape and d.stride() == b.stride()):
-                d.copy_(b)  # a plain inner tensor: the wrapper's version counter is untouched
+                d.copy_(b)  # 0-d scales (or a reallocated output): plain inner tensors, `out`'s counter untouched
         return None
+    # 1st call: views of the outputs, nominal dtype = FSDP2's param_dtype; FSDP2 frees/refills the outputs
     t = m.cls.from_buffers(bufs, m.meta, shape, param_dtype)
     return t, tuple(all_gather_outputs)
 
@@ -649,7 +668,10 @@ def allgather_benchmark(dim: int, hidden: int, n_blocks: int, tokens: int, reps:
                 for _ in range(reps):
                     step()
                 torch.cuda.synchronize(dev)
-            us = sum(e.device_time_total for e in prof.key_averages() if "allgather" in e.key.lower())
+            # device-side NCCL kernels only ("ncclDevKernel_AllGather_..."): the CPU-side c10d ops that
+            # launched them report the same time again as their children's.
+            us = sum(e.device_time_total for e in prof.key_averages()
+                     if "allgather" in e.key.lower() and e.device_type == torch.autograd.DeviceType.CUDA)
             t = torch.tensor(us / 1e3 / reps, dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             r["allgather_kernel_ms_in_step"] = float(t)

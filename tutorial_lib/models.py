@@ -36,8 +36,8 @@ Example::
     start, stop = shard_rows(10, world_size=4, rank=3)        # (9, 10): FSDP2/DTensor Shard(0) rows
     w_rows = counter_uniform(0, "blocks.0.fc1.weight", (256, 64), rows=(0, 128), low=-0.125, high=0.125)
 
-The quantized path (``tutorial_lib.quantized_init``) uses :func:`counter_uniform` through
-:func:`init_rows` to generate each rank's rows in fp32 and quantize them, one parameter at a time.
+The quantized path (``tutorial_lib.quantized_init``) uses :func:`counter_uniform` and
+:func:`init_range` to generate each rank's rows in fp32 and quantize them, one parameter at a time.
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ __all__ = [
     "counter_uniform",
     "fill_param_",
     "init_range",
-    "init_rows",
     "local_rows",
     "naive_reset_parameters",
     "quantized_linear",
@@ -72,8 +71,8 @@ _M32 = 0xFFFFFFFF
 
 def chunk_elems(device) -> int:
     """Elements generated per step: bounds the generator's temporaries (~24 B/element: 0.2 MB on CPU,
-    100 MB on GPU), so a peak-memory measurement sees the model, not the generator."""
-    return 1 << 22 if torch.device(device).type == "cuda" else 1 << 13
+    25 MB on GPU), so a peak-memory measurement sees the model, not the generator."""
+    return 1 << 20 if torch.device(device).type == "cuda" else 1 << 13
 
 
 # ----------------------------------------------------------------------------- the counter-based generator
@@ -211,13 +210,6 @@ def init_range(module: nn.Module, param_name: str) -> tuple[float, float]:
     if isinstance(module, nn.LayerNorm):
         return {"weight": (1.0, 1.0), "bias": (0.0, 0.0)}[param_name]
     raise TypeError(f"no init rule for {type(module).__name__}.{param_name}; add one to init_range")
-
-
-def init_rows(module: nn.Module, param_name: str, fqn: str, seed: int, shape, rows, *, device=None,
-              dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """High-precision rows ``rows`` of parameter ``fqn`` (the quantized init path's entry point)."""
-    low, high = init_range(module, param_name)
-    return counter_uniform(seed, fqn, shape, rows=rows, low=low, high=high, dtype=dtype, device=device)
 
 
 @torch.no_grad()

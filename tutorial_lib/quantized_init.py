@@ -79,6 +79,8 @@ __all__ = [
     "quantize_params_",
     "quantize_params_on_meta_",
     "track_peak_memory",
+    "init_memory_demo",
+    "train_compare",
 ]
 
 Recipe = Callable[[str, torch.Tensor], object]  # (fqn, param) -> a quantizer
@@ -183,7 +185,7 @@ def _group_of(param):
     return param.device_mesh.get_group() if hasattr(param, "device_mesh") else None
 
 
-def _stream_fp8(quantizer: CurrentScaling, gen, rows: int, row_numel: int, dtype, device, keep_hp: bool):
+def _stream_fp8(quantizer: CurrentScaling, gen, rows: int, row_numel: int, device, keep_hp: bool):
     """Two passes over the counter-based rows: amax (all-reduced), then cast; no full fp32 copy unless kept."""
     step = max(1, chunk_elems(device) // max(1, row_numel))
     hp = torch.empty((rows, row_numel), dtype=torch.float32, device=device) if keep_hp else None
@@ -242,8 +244,7 @@ def materialize_sharded_(model: nn.Module, device, *, seed: int | None = None,
             if share_scales and group is not None:
                 _attach_group(quantizer, group)
             if type(quantizer) is CurrentScaling:  # streaming fast path: no fp32 copy of the shard
-                data, scale_inv, hp = _stream_fp8(quantizer, gen, rows, row_numel, p.dtype, device,
-                                                  preserve_high_precision)
+                data, scale_inv, hp = _stream_fp8(quantizer, gen, rows, row_numel, device, preserve_high_precision)
                 new = type(loc).from_buffers({"data": data.view(local_shape), "scale_inv": scale_inv},
                                              {"fmt": quantizer.fmt}, local_shape, p.dtype, quantizer=quantizer)
             else:  # any format: quantize this shard's fp32 rows at once

@@ -538,6 +538,14 @@ def _generic(cls, func, args, kwargs):
     written += [(n, kwargs[n]) for n in names if isinstance(kwargs.get(n), QuantizedTensor)]
     if written:
         return _requantize_inplace(func, args, kwargs, written)
+    # foreach ops (torch._foreach_add_([q, ...]), what AdamW(foreach=True) runs) write into LISTS of
+    # tensors; without this branch the update lands in a dequantized temporary and is silently lost.
+    listed = [
+        i for i in positions
+        if i < len(args) and isinstance(args[i], (list, tuple)) and any(isinstance(t, QuantizedTensor) for t in args[i])
+    ]
+    if listed:
+        return _requantize_inplace_lists(func, args, kwargs, listed)
     name = str(func)
     if _mode == "strict":
         q = next(a for a in tree_leaves((args, kwargs)) if isinstance(a, QuantizedTensor))
@@ -581,6 +589,28 @@ def _requantize_inplace(func, args, kwargs, written):
     if isinstance(out, (list, tuple)):
         return type(out)(back.get(id(o), o) for o in out)
     return back.get(id(out), out)
+
+
+def _requantize_inplace_lists(func, args, kwargs, positions):
+    """A foreach in-place op on lists holding quantized tensors: update high-precision copies, write back."""
+    args = list(args)
+    pairs = []
+    for i in positions:
+        hp_list = []
+        for t in args[i]:
+            if isinstance(t, QuantizedTensor):
+                hp = t.dequantize()
+                pairs.append((t, hp))
+                hp_list.append(hp)
+            else:
+                hp_list.append(t)
+        args[i] = hp_list
+    args, kwargs = tree_map_only(QuantizedTensor, _dequantize, (args, kwargs))
+    out = func(*args, **kwargs)
+    for q, hp in pairs:
+        copy_into(q, hp)
+    REQUANTIZES[str(func)] += 1
+    return out
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
