@@ -451,3 +451,29 @@ def quantization_error(name: str, x: torch.Tensor) -> dict:
         "flushed": ((xh == 0) & nz).double().mean().item() / max(nz.double().mean().item(), 1e-30),
         "bits_per_element": 8 * q.quantized_nbytes() / x.numel(),
     }
+
+
+class BlockQuantizer:
+    """What every block-format quantizer shares: build a tensor, or requantize into one in place.
+
+    A subclass supplies ``tensor_class`` (the QuantizedTensor class it produces) and
+    ``quantize_buffers(hp) -> {buffer name: tensor}`` (the format's reference quantizer).
+    """
+
+    tensor_class: type
+
+    def quantize_buffers(self, hp: torch.Tensor) -> dict:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def quantize(self, hp: torch.Tensor, *, requires_grad: bool = False) -> QuantizedTensor:
+        """A new quantized tensor with ``hp``'s shape, device and (nominal) dtype."""
+        return self.tensor_class.from_buffers(self.quantize_buffers(hp.detach()), {}, hp.shape, hp.dtype,
+                                              quantizer=self, requires_grad=requires_grad)
+
+    def quantize_into(self, dst: QuantizedTensor, hp: torch.Tensor) -> None:
+        """Requantize ``hp`` into ``dst``'s buffers in place (views of ``dst`` see the new values;
+        for NVFP4 the global scale is rewritten too)."""
+        if tuple(hp.shape) != tuple(dst.shape):
+            raise ValueError(f"quantize_into: shape {list(hp.shape)} does not match destination {list(dst.shape)}")
+        for name, buf in self.quantize_buffers(hp.detach().to(dst.device)).items():
+            dst.raw_buffers()[name].copy_(buf)

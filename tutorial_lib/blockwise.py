@@ -36,6 +36,7 @@ import torch
 from tutorial_lib.block_scaling import (
     E4M3_MAX,
     E4M3_NAN_CODE,
+    BlockQuantizer,
     BlockScaledTensor,
     block_amax,
     block_dims_of,
@@ -48,7 +49,7 @@ from tutorial_lib.block_scaling import (
     to_blocks,
     to_e4m3_bytes,
 )
-from tutorial_lib.quantized_tensor import Layout, QuantizedTensor, add_safe_global
+from tutorial_lib.quantized_tensor import Layout, add_safe_global
 
 BLOCKWISE_BLOCKS = ((1, 128), (128, 128))
 
@@ -146,7 +147,7 @@ class FP8Blockwise128x128Tensor(FP8BlockwiseTensor):
                           scale="fp32 scale_inv per 128x128 tile", fixed_dims=2)
 
 
-class BlockwiseFP8Quantizer:
+class BlockwiseFP8Quantizer(BlockQuantizer):
     """Makes and refreshes FP8 blockwise tensors (no state: block scales come from the data).
 
     Example::
@@ -169,18 +170,6 @@ class BlockwiseFP8Quantizer:
     def quantize_buffers(self, hp: torch.Tensor) -> dict:
         data, scale_inv = quantize_fp8_blockwise(hp, self.block, pow2_scales=self.pow2_scales)
         return {"data": data, "scale_inv": scale_inv}
-
-    def quantize(self, hp: torch.Tensor, *, requires_grad: bool = False) -> FP8BlockwiseTensor:
-        """A new blockwise tensor with ``hp``'s shape, device and (nominal) dtype."""
-        return self.tensor_class.from_buffers(self.quantize_buffers(hp.detach()), {}, hp.shape, hp.dtype,
-                                              quantizer=self, requires_grad=requires_grad)
-
-    def quantize_into(self, dst: QuantizedTensor, hp: torch.Tensor) -> None:
-        """Requantize ``hp`` into ``dst``'s buffers in place (views of ``dst`` see the new values)."""
-        if tuple(hp.shape) != tuple(dst.shape):
-            raise ValueError(f"quantize_into: shape {list(hp.shape)} does not match destination {list(dst.shape)}")
-        for name, buf in self.quantize_buffers(hp.detach().to(dst.device)).items():
-            dst.raw_buffers()[name].copy_(buf)
 
 
 add_safe_global(BlockwiseFP8Quantizer)

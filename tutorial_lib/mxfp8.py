@@ -35,6 +35,7 @@ import torch
 from tutorial_lib.block_scaling import (
     E4M3_NAN_CODE,
     E8M0_NAN_CODE,
+    BlockQuantizer,
     BlockScaledTensor,
     abs_bits,
     check_block_shape,
@@ -43,7 +44,7 @@ from tutorial_lib.block_scaling import (
     floor_log2,
     to_e4m3_bytes,
 )
-from tutorial_lib.quantized_tensor import Layout, QuantizedTensor, add_safe_global
+from tutorial_lib.quantized_tensor import Layout, add_safe_global
 
 MX_BLOCK = 32
 E4M3_EMAX = 8  # floor(log2(448))
@@ -145,7 +146,7 @@ class MXFP8Tensor(BlockScaledTensor):
         return q.quantize_buffers(hp)
 
 
-class MXFP8Quantizer:
+class MXFP8Quantizer(BlockQuantizer):
     """Makes and refreshes :class:`MXFP8Tensor` s. No state but the scale rounding rule.
 
     ``backend``: "torch" (the reference), "triton" (``tutorial_kernels.mxfp8_quant``, bit-exact
@@ -156,6 +157,8 @@ class MXFP8Quantizer:
         q = MXFP8Quantizer().quantize(w.to(torch.bfloat16))   # MXFP8Tensor, dtype bf16
         MXFP8Quantizer().quantize_into(q, w_new)              # requantize in place (optimizer step)
     """
+
+    tensor_class = MXFP8Tensor
 
     def __init__(self, rounding: str = "floor", backend: str = "auto"):
         if rounding not in SCALE_ROUNDINGS:
@@ -176,18 +179,6 @@ class MXFP8Quantizer:
         else:
             data, scale = quantize_mxfp8(hp, rounding=self.rounding)
         return {"data": data, "scale_e8m0": scale}
-
-    def quantize(self, hp: torch.Tensor, *, requires_grad: bool = False) -> MXFP8Tensor:
-        """A new MXFP8Tensor with ``hp``'s shape, device and (nominal) dtype."""
-        return MXFP8Tensor.from_buffers(self.quantize_buffers(hp.detach()), {}, hp.shape, hp.dtype,
-                                        quantizer=self, requires_grad=requires_grad)
-
-    def quantize_into(self, dst: QuantizedTensor, hp: torch.Tensor) -> None:
-        """Requantize ``hp`` into ``dst``'s buffers in place (views of ``dst`` see the new values)."""
-        if tuple(hp.shape) != tuple(dst.shape):
-            raise ValueError(f"quantize_into: shape {list(hp.shape)} does not match destination {list(dst.shape)}")
-        for name, buf in self.quantize_buffers(hp.detach().to(dst.device)).items():
-            dst.raw_buffers()[name].copy_(buf)
 
 
 add_safe_global(MXFP8Quantizer)

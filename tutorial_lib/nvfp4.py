@@ -37,6 +37,7 @@ import torch
 from tutorial_lib.block_scaling import (
     E4M3_MAX,
     E4M3_NAN_CODE,
+    BlockQuantizer,
     BlockScaledTensor,
     abs_bits,
     block_amax,
@@ -49,7 +50,7 @@ from tutorial_lib.block_scaling import (
     to_e4m3_bytes,
 )
 from tutorial_lib.formats import decode, encode
-from tutorial_lib.quantized_tensor import Layout, QuantizedTensor, add_safe_global
+from tutorial_lib.quantized_tensor import Layout, add_safe_global
 
 NVFP4_BLOCKS = ((1, 16), (16, 16))
 E2M1_MAX = 6.0
@@ -198,7 +199,7 @@ class NVFP4Tensor16x16(NVFP4Tensor):
                           scale="e4m3 per 16x16 tile x fp32 global_scale_inv", fixed_dims=2)
 
 
-class NVFP4Quantizer:
+class NVFP4Quantizer(BlockQuantizer):
     """Makes and refreshes NVFP4 tensors. ``group``: a process group whose ranks all-reduce
     (max) the amax, so every FSDP2 shard of one weight uses the same global scale.
 
@@ -233,18 +234,6 @@ class NVFP4Quantizer:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
         data, scale, gsi = quantize_nvfp4(hp, self.block, global_amax=amax)
         return {"data": data, "scale_e4m3": scale, "global_scale_inv": gsi}
-
-    def quantize(self, hp: torch.Tensor, *, requires_grad: bool = False) -> NVFP4Tensor:
-        """A new NVFP4 tensor with ``hp``'s shape, device and (nominal) dtype."""
-        return self.tensor_class.from_buffers(self.quantize_buffers(hp.detach()), {}, hp.shape, hp.dtype,
-                                              quantizer=self, requires_grad=requires_grad)
-
-    def quantize_into(self, dst: QuantizedTensor, hp: torch.Tensor) -> None:
-        """Requantize ``hp`` into ``dst``'s buffers in place, global scale included."""
-        if tuple(hp.shape) != tuple(dst.shape):
-            raise ValueError(f"quantize_into: shape {list(hp.shape)} does not match destination {list(dst.shape)}")
-        for name, buf in self.quantize_buffers(hp.detach().to(dst.device)).items():
-            dst.raw_buffers()[name].copy_(buf)
 
 
 add_safe_global(NVFP4Quantizer)
