@@ -24,13 +24,12 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 
 import torch
 import tutorial_kernels.fp8_cast as k  # first: sets TRITON_INTERPRET=1 on a CPU-only machine
 
 import tutorial_lib.scaling as ref
-from tutorial_lib.bench import bench_ms, case, copy_bandwidth_GBps, write_results
+from tutorial_lib.bench import bench_ms, case, copy_bandwidth_GBps, eager_and_compiled_ms, write_results
 
 CONFIGS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16)]  # (BLOCK, num_warps) swept per case
 
@@ -55,16 +54,8 @@ def run(n: int, device: torch.device, compile_peers: bool, configs, fmt: str = "
     delayed_scale = truth.scale * 0.75  # any scale: delayed scaling uses last step's
 
     def peers_of(fn, *args, **kwargs):
-        peers = {"torch eager": bench_ms(lambda: fn(*args, **kwargs))}
-        if compile_peers:
-            t = time.perf_counter()
-            compiled = torch.compile(fn)
-            same = _equal(compiled(*args, **kwargs), fn(*args, **kwargs))
-            print(f"  (torch.compile of {fn.__name__}: {time.perf_counter() - t:.1f} s to compile; "
-                  f"{'same bytes as eager' if same else 'DIFFERENT bytes from eager'})", flush=True)
-            peers["torch.compile"] = bench_ms(lambda: compiled(*args, **kwargs))
-            compile_matches[fn.__name__] = same
-        return peers
+        return eager_and_compiled_ms(fn, *args, equal=_equal, compiled=compile_peers, record=compile_matches,
+                                     **kwargs)
 
     def check(ours, expect, name):
         if not _equal(ours, expect):

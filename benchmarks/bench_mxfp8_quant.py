@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 
 import torch
 import tutorial_kernels.mxfp8_quant as k  # first: sets TRITON_INTERPRET=1 on a CPU-only machine
 
-from tutorial_lib.bench import bench_ms, case, copy_bandwidth_GBps, write_results
+from tutorial_lib.bench import bench_ms, case, copy_bandwidth_GBps, eager_and_compiled_ms, write_results
 from tutorial_lib.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 
 # (ROWS blocks of 32 per program, num_warps) swept on GPU; None = the kernel's autotuner.
@@ -61,16 +60,8 @@ def run(shape, device: torch.device, compile_peers: bool, configs) -> tuple[list
     minimum = 3 * n + n // 32
 
     def peers_of(fn, *args, **kwargs):
-        peers = {"torch eager": bench_ms(lambda: fn(*args, **kwargs))}
-        if compile_peers:
-            t = time.perf_counter()
-            compiled = torch.compile(fn)
-            same = _equal(compiled(*args, **kwargs), fn(*args, **kwargs))
-            print(f"  (torch.compile of {fn.__name__}: {time.perf_counter() - t:.1f} s to compile; "
-                  f"{'same bytes as eager' if same else 'DIFFERENT bytes from eager'})", flush=True)
-            peers["torch.compile"] = bench_ms(lambda: compiled(*args, **kwargs))
-            compile_matches[f"{fn.__name__} {kwargs}"] = same
-        return peers
+        return eager_and_compiled_ms(fn, *args, equal=_equal, compiled=compile_peers, record=compile_matches,
+                                     key=f"{fn.__name__} {kwargs}", **kwargs)
 
     def add(name, ours_fn, peers):
         ms, cfg = _best(ours_fn, configs)

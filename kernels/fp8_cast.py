@@ -51,11 +51,10 @@ from tutorial_kernels import interpreted
 from tutorial_kernels.fp8_round import decode_fp8, encode_fp8, to_bf16
 
 from tutorial_lib.scaling import (
-    FP8_FORMATS,
-    SUPPORTED_DTYPES,
     CastResult,
     _check_scale_arg,
     check_amax_eps,
+    check_dequantize_args,
     check_input,
     scale_from_amax,
 )
@@ -293,12 +292,7 @@ def dequantize_per_tensor(data: torch.Tensor, scale_inv, fmt: str = "e4m3", dtyp
                           out: torch.Tensor | None = None, block: int | None = None,
                           num_warps: int | None = None) -> torch.Tensor:
     """``fp8(data) * scale_inv`` in fp32, rounded (RNE) to ``dtype``; same values as the torch reference."""
-    if data.dtype != torch.uint8:
-        raise TypeError(f"data must be uint8 FP8 bytes, got {data.dtype}")
-    if fmt not in FP8_FORMATS:
-        raise ValueError(f"per-tensor FP8 format must be one of {FP8_FORMATS}, got {fmt!r}")
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"dequantize to one of {SUPPORTED_DTYPES}, got {dtype}")
+    check_dequantize_args(data, fmt, dtype)
     if not data.is_contiguous():
         raise ValueError(f"the Triton dequantize needs contiguous data, got strides {data.stride()}")
     if not (data.is_cuda or interpreted()):
