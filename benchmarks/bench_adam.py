@@ -12,6 +12,9 @@ measured in the same run. Minimum traffic per parameter (``adam_bytes_per_elemen
 Goals on one H200 (issue 6): case 1 >= 95% of copy and >= 1.15x torch fused; case 2 >= 70% of
 copy; FP8 case >= 90% of copy. "ours" is FusedAdam.step() (tables cached, per-step host work
 included) at the best (block, num_warps) of a small sweep; every config's time is in the JSON.
+Each FusedAdam case also records ``kernel_only_ms`` (the launches with the step's host work taken
+out), ``back_to_back_ms`` (GPU time per step over 50 steps issued back to back) and
+``host_ms_per_step`` (the host's wall time per step): which of host and kernel bounds the step.
 The FP8 case times the kernel launch alone (delayed-scaling bookkeeping is per-parameter torch
 work, reported separately as "FusedAdam.step incl. amax history").
 
@@ -36,9 +39,11 @@ from tutorial_lib.adam_reference import adam_bytes_per_element, adam_step_scalar
 from tutorial_lib.bench import bench_ms as _bench_ms
 from tutorial_lib.bench import case, copy_bandwidth_GBps, write_results
 from tutorial_lib.fused_adam import FusedAdam
+from tutorial_lib.fused_adam_fsdp2 import time_back_to_back
 from tutorial_lib.scaling import DelayedScaling, quantize_per_tensor
 
-CONFIGS = [(1024, 4), (2048, 4), (2048, 8), (4096, 8)]  # (BLOCK, num_warps) swept for our kernels
+CONFIGS = [(1024, 4), (2048, 8), (4096, 8)]  # (BLOCK, num_warps) swept for our kernels
+SMALL_CONFIGS = [(1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]  # the 2,000-tensor case
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 REPS = {"warmup": 3, "rep": 20}  # CPU wall-clock repetitions (CUDA uses do_bench); --quick lowers them
 
@@ -63,24 +68,47 @@ def _params(sizes, device, dtype=torch.float32, grad_dtype=None, seed=0):
     return params
 
 
-def _step_ms(make_opt, sizes, device, **kw) -> float:
+def _step_ms(make_opt, sizes, device, split=None, **kw) -> float:
+    """ms per ``opt.step()``; with a dict ``split`` (FusedAdam only) also the kernel launches alone
+    (``kernel_ms``), GPU time per step issued back to back and the host's wall time per step (CUDA): step time is
+    max(host, kernel) once the host falls behind the GPU."""
     params = _params(sizes, device, **kw)
     opt = make_opt(params)
     opt.step()  # state, tables, compilation
     ms = bench_ms(opt.step)
+    if split is not None:
+        split.update(kernel_ms=round(bench_ms(_kernels_only(opt, device)), 4))
+        if torch.cuda.is_available():
+            b2b = time_back_to_back(opt.step)
+            split.update(back_to_back_ms=round(b2b["back_to_back_ms"], 4), host_ms=round(b2b["host_ms"], 4))
     del opt, params
     _free()
     return ms
 
 
+def _kernels_only(opt: FusedAdam, device):
+    """The launches of one FusedAdam step, without its per-step host work (tables and scalars reused)."""
+    group, plan = opt.param_groups[0], opt._plans[0]
+    hyper = adam_step_scalars_tensor(plan.steps, group["lr"], *group["betas"]).to(device)
+    kw = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"],
+              num_warps=group["num_warps"])
+    launches = [(b.tables, hyper if b.index is None else hyper[:, b.index].contiguous()) for b in plan.buckets]
+    return lambda: [k.launch_adamw(t, h, **kw) for t, h in launches]
+
+
 def _ours(sizes, device, configs, **kw) -> tuple[float, dict]:
-    sweep = {}
+    sweep, splits = {}, {}
     for block, warps in configs:
-        sweep[f"block={block},warps={warps}"] = _step_ms(
+        name = f"block={block},warps={warps}"
+        splits[name] = {}
+        sweep[name] = _step_ms(
             lambda ps, b=block, w=warps: FusedAdam(ps, **HP, block=b, num_warps=w, master_weights=True), sizes,
-            device, **kw)
+            device, split=splits[name], **kw)
     best = min(sweep, key=sweep.get)
-    return sweep[best], {"config": best, "sweep_ms": sweep}
+    info = {"config": best, "sweep_ms": sweep, "kernel_only_ms": splits[best]["kernel_ms"]}
+    if "host_ms" in splits[best]:  # CUDA: 50 steps issued back to back, and the host's time per step
+        info.update(back_to_back_ms=splits[best]["back_to_back_ms"], host_ms_per_step=splits[best]["host_ms"])
+    return sweep[best], info
 
 
 def adamw_case(name, sizes, device, configs, copy, torch_peers=True) -> dict:
@@ -183,24 +211,28 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.quick:
         big, small, configs = _split(60_000, 6), _split(40_000, 20), [(4096, 4)]
+        small_configs = configs
         REPS.update(warmup=1, rep=3)
         out = args.out or tempfile.mkdtemp(prefix="bench-adam-")
     else:
         if device.type != "cuda":
             raise SystemExit("the full benchmark needs a GPU; use --quick on a CPU")
-        big, small, configs = _split(805_000_000, 108), _split(98_000_000, 2000), CONFIGS
+        big, small, configs, small_configs = _split(805_000_000, 108), _split(98_000_000, 2000), CONFIGS, SMALL_CONFIGS
         out = args.out or "benchmarks/results"
     copy = copy_bandwidth_GBps(device)
     cases = [
         adamw_case(f"AdamW fp32, {sum(big):,} params in {len(big)} tensors", big, device, configs, copy),
-        adamw_case(f"AdamW fp32, {len(small):,} small tensors, {sum(small):,} params", small, device, configs, copy),
+        adamw_case(f"AdamW fp32, {len(small):,} small tensors, {sum(small):,} params", small, device, small_configs,
+                   copy),
         bf16_master_case(f"AdamW bf16 params + fp32 master, {sum(big):,} params", big, device, configs, copy),
         fp8_case(f"fp32 master + bf16 grad -> FP8 + amax, {sum(big):,} params", big, device, configs, copy),
     ]
     for c in cases:
         peers = ", ".join(f"{k} {v:.3f} ms" for k, v in c["peers"].items())
         print(f"{c['name']}: ours {c['ours_ms']:.3f} ms ({c['config']}), {c['fraction_of_copy']:.0%} of copy"
-              + (f"; {peers}" if peers else ""))
+              + (f"; {peers}" if peers else "")
+              + (f"; kernels alone {c['kernel_only_ms']:.3f} ms, back to back {c['back_to_back_ms']:.3f} ms/step, "
+                 f"host {c['host_ms_per_step']:.3f} ms/step" if "host_ms_per_step" in c else ""))
     path = write_results(out, "adam", cases, copy, extra={"quick": args.quick})
     print(f"copy {copy:.0f} GB/s; wrote {path}")
 

@@ -289,11 +289,13 @@ for name, g, o, odt in (("fp32", tl.float32, "none", tl.float32), ("bf16_master"
                         ("fp8", tl.bfloat16, "fp8", tl.uint8)):
     for aligned in ((False, True) if name == "fp32" else (True,)):
         consts = {"W_DTYPE": tl.float32, "G_DTYPE": g, "OUT": o, "OUT_DTYPE": odt, "FP8_FMT": "e4m3",
-                  "BLOCK": 2048, "ALIGNED": aligned}
+                  "BLOCK": 2048, "ALIGNED": aligned, "W_BYTES": 4, "G_BYTES": g.primitive_bitwidth // 8,
+                  "O_BYTES": odt.primitive_bitwidth // 8, "NUMEL_VEC": aligned}
         src = ASTSource(fn=k._adam_multi_tensor_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
                         constexprs=consts)
-        out[f"{name}_{aligned}"] = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                                  options={"num_warps": 4}).asm["ptx"]
+        asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm
+        out[f"{name}_{aligned}"] = asm["ptx"]
+        out[f"{name}_{aligned}_layout_conversions"] = asm["ttgir"].count("convert_layout")
 json.dump(out, sys.stdout)
 """
 
@@ -302,8 +304,11 @@ json.dump(out, sys.stdout)
 def test_kernel_compiles_for_sm90_and_vectorises_when_aligned():
     """CPU CI never compiles a kernel (the interpreter even accepts non-constexpr globals a compiled
     kernel rejects). Compile the multi-tensor kernel to PTX for an H100/H200 and check what the
-    bandwidth goals need: 16-byte loads/stores once the host has proven 16-byte alignment, IEEE
-    sqrt/division (as torch), hardware satfinite FP8 conversion and the amax atomic."""
+    bandwidth goals need: 16-byte loads/stores once the host has proven 16-byte alignment, ONE register
+    layout for all streams (mixed fp32/bf16/uint8 accesses must not go through shared-memory layout
+    conversions: that cost the FP8 kernel a third of its bandwidth), vectorised partial last chunks
+    when every size is a multiple of 4, IEEE sqrt/division (as torch), hardware satfinite FP8
+    conversion and a relaxed amax atomic (no acquire/release fence)."""
     import json
     import os
     import re
@@ -321,5 +326,24 @@ def test_kernel_compiles_for_sm90_and_vectorises_when_aligned():
         assert ptx[f"{name}_True"].count("ld.global.v4") >= 12, f"{name}: loads are not vectorised"
         assert ptx[f"{name}_True"].count("st.global.v4") >= 12, f"{name}: stores are not vectorised"
         assert "div.rn.f32" in ptx[f"{name}_True"] and "sqrt.rn.f32" in ptx[f"{name}_True"]
+        assert ptx[f"{name}_True_layout_conversions"] == 0, f"{name}: register layouts differ between streams"
     assert "cvt.rn.satfinite.e4m3x2" in ptx["fp8_True"]
     assert re.search(r"(atom|red)\.global\.[a-z_.]*max\.s32", ptx["fp8_True"]), "no integer atomic max for amax"
+    assert "acq_rel" not in ptx["fp8_True"], "the amax atomic needs no memory ordering"
+    # sizes multiple of 4 (NUMEL_VEC): the masked last chunk of each tensor is vectorised as well
+    assert "st.global.b32" not in ptx["fp32_True"], "the partial last chunk still stores element by element"
+
+
+def test_host_to_device_copies_arrive_in_order_through_reused_staging_buffers():
+    """FusedAdam's per-step scalars and grad addresses reach the GPU through a few pinned buffers
+    used in turn (CUDA) or a plain copy (CPU). More copies than buffers, each different, each read
+    back in stream order: a buffer rewritten before its copy had run would show a later value."""
+    h2d = k.HostToDevice(slots=2)
+    out = torch.empty(2, 5, device=DEV)
+    seen = []
+    for i in range(7):
+        h2d.copy(torch.full((2, 5), float(i)) + torch.arange(5.0), out)
+        seen.append(out.clone())  # queued behind the copy on the same stream
+    assert [x[1, 3].item() for x in seen] == [i + 3.0 for i in range(7)]
+    if DEV == "cuda":
+        assert all(slot[0].is_pinned() for slot in h2d.slots)

@@ -474,9 +474,11 @@ def train_compare(dim: int = 32, hidden: int = 64, n_blocks: int = 2, steps: int
     """Train the sharded quantized model and its single-process twin side by side; compare every weight.
 
     The reference runs in the same process and sees the same global batch split into the same
-    per-rank micro-batches, with loss ``sum(micro-batch losses) / world_size``. Then its gradients
-    are the sharded run's bit for bit: the same matmul shapes on the same data, and FSDP2's
-    gradient average over a power-of-two world size (``g / 2``, then a two-term sum) is exact.
+    per-rank micro-batches, with loss ``sum(micro-batch losses) / world_size``. Then, at world
+    size 2, its gradients are the sharded run's bit for bit: the same matmul shapes on the same data,
+    and FSDP2's gradient average (``g / 2``, then a two-term sum) is exact. With more ranks the
+    reduce-scatter sums more terms in its own order, so gradients differ in the last fp32 bits;
+    ``max_abs_diff``/``ref_absmax`` and ``masters_max_rel_diff`` (max |diff| / max |master|) bound that.
     Identical gradients give identical AdamW updates of the fp32 masters and identical
     requantized bytes, so the derived tolerance is ZERO (``torch.equal``), step after step.
     """
@@ -524,12 +526,17 @@ def train_compare(dim: int = 32, hidden: int = 64, n_blocks: int = 2, steps: int
             theirs = theirs[a:b] if p.dim() else theirs
             params[n] = {"quantized": is_quantized(p), "equal": bool(torch.equal(mine, theirs)),
                          "max_abs_diff": float((mine - theirs).abs().max()) if mine.numel() else 0.0,
+                         "ref_absmax": float(theirs.abs().max()) if theirs.numel() else 0.0,
                          "changed_fraction": float((mine != before[n]).float().mean()) if mine.numel() else 0.0}
         out["params"] = params
         ref_m = [local_tensor(m) for _, m in ref_masters.pairs]
-        out["masters_equal"] = all(
-            torch.equal(local_tensor(m).detach(), rm.detach()[slice(*local_rows(p))])
-            for (p, m), rm in zip(masters.pairs, ref_m))
+        pairs = [(local_tensor(m).detach(), rm.detach()[slice(*local_rows(p))])
+                 for (p, m), rm in zip(masters.pairs, ref_m)]
+        out["masters_equal"] = all(torch.equal(a, b) for a, b in pairs)
+        out["masters_max_abs_diff"] = max([float((a - b).abs().max()) for a, b in pairs if a.numel()] or [0.0])
+        out["lr"], out["steps"] = lr, steps
+        out["masters_max_rel_diff"] = max(
+            [float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in pairs if a.numel()] or [0.0])
         return out
     finally:
         if hook_form is not None:
