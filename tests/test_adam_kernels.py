@@ -334,16 +334,13 @@ def test_kernel_compiles_for_sm90_and_vectorises_when_aligned():
     assert "st.global.b32" not in ptx["fp32_True"], "the partial last chunk still stores element by element"
 
 
-def test_host_to_device_copies_arrive_in_order_through_reused_staging_buffers():
-    """FusedAdam's per-step scalars and grad addresses reach the GPU through a few pinned buffers
-    used in turn (CUDA) or a plain copy (CPU). More copies than buffers, each different, each read
-    back in stream order: a buffer rewritten before its copy had run would show a later value."""
-    h2d = k.HostToDevice(slots=2)
+def test_host_to_device_copies_arrive_in_order():
+    """FusedAdam's per-step scalars and grad addresses reach the device in stream order: the source
+    is rewritten right after each copy, and every copy must still deliver its own values."""
+    h2d = k.HostToDevice()
     out = torch.empty(2, 5, device=DEV)
     seen = []
     for i in range(7):
         h2d.copy(torch.full((2, 5), float(i)) + torch.arange(5.0), out)
         seen.append(out.clone())  # queued behind the copy on the same stream
     assert [x[1, 3].item() for x in seen] == [i + 3.0 for i in range(7)]
-    if DEV == "cuda":
-        assert all(slot[0].is_pinned() for slot in h2d.slots)

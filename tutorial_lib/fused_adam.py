@@ -21,8 +21,8 @@ new gradients once: dtype, size, contiguity, real storage). The Python work per 
 ``map`` passes over the parameters with C-level callables (``p._local_tensor``, ``p.grad`` with
 ``__torch_function__`` off, ``Tensor.data_ptr``: no Python bytecode per parameter), one list
 comparison and a handful of small tensor ops; never a kernel launch or a DTensor op per parameter.
-The per-step scalars (and new grad addresses) reach the GPU through pinned staging buffers
-(``HostToDevice``), so the host never waits for the GPU. The tables are rebuilt when a
+The per-step scalars (and new grad addresses) reach the GPU as one small non-blocking copy each
+(``HostToDevice``; its docstring has the measured alternatives). The tables are rebuilt when a
 parameter's local tensor gets new storage (``p.data = ...``, FSDP2 lazy init).
 
 Optimizer state (``self.state[p]``), all fp32, DTensors with ``p``'s mesh and placements when
