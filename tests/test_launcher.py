@@ -168,3 +168,9 @@ def test_a_failure_inside_user_code_is_never_retried(tmp_path, monkeypatch):
     (tmp_path / "unused").touch()  # fault already spent: only the user-code failure remains
     with pytest.raises(RankFailed, match="boom-once"):
         launch(demos.fail_on_rank, world_size=2, device="cpu", args=(1, "boom-once"), timeout=120, echo=False)
+
+
+def test_cpu_ranks_share_the_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    out = launch(demos.rank_identity, world_size=2, device="cpu", timeout=120, echo=False)
+    assert [r["threads"] for r in out] == [max(1, (os.cpu_count() or 1) // 2)] * 2

@@ -51,6 +51,7 @@ def rank_identity() -> dict:
         "pid": os.getpid(),
         "port": int(os.environ["MASTER_PORT"]),
         "tmpdir": tempfile.gettempdir(),
+        "threads": torch.get_num_threads(),
     }
 
 
