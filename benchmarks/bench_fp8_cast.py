@@ -29,7 +29,14 @@ import torch
 import tutorial_kernels.fp8_cast as k  # first: sets TRITON_INTERPRET=1 on a CPU-only machine
 
 import tutorial_lib.scaling as ref
-from tutorial_lib.bench import bench_ms, case, copy_bandwidth_GBps, eager_and_compiled_ms, write_results
+from tutorial_lib.bench import (
+    bench_ms,
+    benchmark_device,
+    case,
+    copy_bandwidth_GBps,
+    eager_and_compiled_ms,
+    write_results,
+)
 
 CONFIGS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16)]  # (BLOCK, num_warps) swept per case
 
@@ -121,9 +128,7 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers")
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results; --quick: a temp dir)")
     args = p.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.quick:
-        raise SystemExit("no GPU: the full benchmark needs CUDA; use --quick for a CPU smoke run")
+    device = benchmark_device(args.quick)
     n = args.n or (1 << 16 if args.quick else 1 << 30)
     configs = CONFIGS if device.type == "cuda" else [k.default_block()]
     out = args.out or (tempfile.mkdtemp(prefix="bench_fp8_cast-") if args.quick else "benchmarks/results")

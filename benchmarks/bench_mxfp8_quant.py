@@ -27,7 +27,14 @@ import tempfile
 import torch
 import tutorial_kernels.mxfp8_quant as k  # first: sets TRITON_INTERPRET=1 on a CPU-only machine
 
-from tutorial_lib.bench import bench_ms, case, copy_bandwidth_GBps, eager_and_compiled_ms, write_results
+from tutorial_lib.bench import (
+    bench_ms,
+    benchmark_device,
+    case,
+    copy_bandwidth_GBps,
+    eager_and_compiled_ms,
+    write_results,
+)
 from tutorial_lib.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 
 # (ROWS blocks of 32 per program, num_warps) swept on GPU; None = the kernel's autotuner.
@@ -99,9 +106,7 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers")
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results; --quick: a temp dir)")
     args = p.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.quick:
-        raise SystemExit("no GPU: the full benchmark needs CUDA; use --quick for a CPU smoke run")
+    device = benchmark_device(args.quick)
     shape = (args.rows or 64, 1024) if args.quick else (args.rows or 32768, 32768)
     configs = CONFIGS if device.type == "cuda" else [None]
     out = args.out or (tempfile.mkdtemp(prefix="bench_mxfp8_quant-") if args.quick else "benchmarks/results")

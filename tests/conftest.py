@@ -11,6 +11,7 @@ import os
 import tutorial_kernels  # noqa: F401  # isort: skip
 
 import pytest
+import torch
 
 
 def pytest_addoption(parser):
@@ -29,3 +30,12 @@ def nb_settings(request):
         "world_size": request.config.getoption("--nb-world-size"),
         "quick": False if request.config.getoption("--nb-full") else None,
     }
+
+
+@pytest.fixture
+def one_thread():
+    """In-process reference runs next to spawned ranks: one thread, so they don't oversubscribe the cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -18,13 +18,7 @@ from tutorial_lib.launcher import launch
 from tutorial_lib.models import BlockMLP, counter_uniform, local_rows, shard_rows
 from tutorial_lib.runtime import resolve_device
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------- shard_rows

@@ -27,13 +27,7 @@ from tutorial_lib.quantized_tensor import QuantizedTensor, is_quantized
 from tutorial_lib.runtime import resolve_device
 from tutorial_lib.scaling import CurrentScaling, DelayedScaling
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _meta_model(dims, recipe, world_size=1, seed=1):

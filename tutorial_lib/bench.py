@@ -46,6 +46,14 @@ def bench_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 20) -> float:
     return statistics.median(times)
 
 
+def benchmark_device(quick: bool) -> torch.device:
+    """CUDA for a real run; the CPU only for a ``--quick`` smoke run (interpreter, tiny sizes)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not quick:
+        raise SystemExit("no GPU: the full benchmark needs CUDA; use --quick for a CPU smoke run")
+    return device
+
+
 def eager_and_compiled_ms(
     fn: Callable, *args, equal: Callable[[object, object], bool], compiled: bool = True,
     record: dict | None = None, key: str | None = None, **kwargs,

@@ -422,18 +422,15 @@ def expected_all_gather_bytes(model: nn.Module, param_dtype: torch.dtype | None 
 
 
 def rank_setup():
-    """``(mesh, device)`` for a rank function: a 1-D mesh over the world; one CPU thread per rank.
+    """``(mesh, device)`` for a rank function: a 1-D mesh over the world.
 
-    (On a shared CPU, every rank's OpenMP pool spinning on all cores made elementwise ops ~100x
-    slower in our measurements; ranks are the parallelism here.)
+    (CPU ranks already share the cores out: the launcher sets their thread counts.)
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     from tutorial_lib.launcher import rank_device
 
     dev = rank_device()
-    if dev.type == "cpu":
-        torch.set_num_threads(1)
     return init_device_mesh(dev.type, (dist.get_world_size(),)), dev
 
 
