@@ -57,13 +57,18 @@ def main(argv=None) -> None:
         c["dtensor_over_plain_back_to_back"] = {"FusedAdam": ratios}
         c["fused_back_to_back_ms"] = r["fused_back_to_back_ms"]
         c["fused_host_ms_per_step"] = r["fused_host_ms"]
+    if "fused_new_grads_host_ms" in r:  # new grad tensors every step (zero_grad + backward): host ms per step
+        c["fused_new_grads_host_ms"] = r["fused_new_grads_host_ms"]
+        c["dtensor_over_plain_new_grads_host"] = {"FusedAdam": [round(x["fused_new_grads_ratio"], 3)
+                                                                for x in per_rank]}
     c["errors"] = {names[n]: r[f"{n}_error"] for n in optimizers if f"{n}_error" in r}
     c["fused_dtensor_equals_plain"] = all(x["fused_dtensor_equals_plain"] for x in per_rank)
     print(f"{c['name']}: {c['ours_ms']:.3f} ms, {c['fraction_of_copy']:.0%} of copy; DTensor/plain per rank: "
           + ", ".join(f"{k} {v}" for k, v in c["dtensor_over_plain"].items())
           + (f"; back to back: FusedAdam {c['dtensor_over_plain_back_to_back']['FusedAdam']}, "
              f"ms {c['fused_back_to_back_ms']}, host ms {c['fused_host_ms_per_step']}"
-             if "fused_back_to_back_ms" in c else ""))
+             if "fused_back_to_back_ms" in c else "")
+          + f"; new grads every step, host ms {c.get('fused_new_grads_host_ms')}")
     path = write_results(out, "adam_fsdp2", [c], copy, extra={"quick": args.quick, "world_size": 2})
     print(f"wrote {path}")
 

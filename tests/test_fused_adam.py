@@ -210,6 +210,20 @@ def test_bad_hyper_parameters_and_grads():
         opt.step()
 
 
+@pytest.mark.parametrize("bad", ["size", "dtype"])
+def test_grad_changed_behind_torchs_back_is_refused(bad):
+    """``p.grad = x`` makes torch check dtype and size; ``p.grad.data = x`` does not. The bulk check
+    of new grads (a few C-level passes) must still refuse them, naming the parameter."""
+    ps = _params([(5,), (6,), (7,)], 9)
+    for i, p in enumerate(ps):
+        p.grad = _grad(p.shape, i)
+    opt = FusedAdam(ps, lr=LR)
+    opt.step()
+    ps[1].grad.data = _grad((7,), 5) if bad == "size" else _grad((6,), 5, torch.float64)
+    with pytest.raises(ValueError, match="parameter 1: grad has"):
+        opt.step()
+
+
 # --------------------------------------------------------------------------- quantized parameters
 
 

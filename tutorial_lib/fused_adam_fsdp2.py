@@ -20,6 +20,7 @@ device per rank) and returns plain picklable results::
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -223,31 +224,62 @@ def quantized_dtensor_step(steps: int = 3, lr: float = 1e-2, rows: int = 9, cols
     }
 
 
-def _time_pair(opts: dict, steps: int, device: torch.device, extra: dict | None = None) -> dict:
+def _time_pair(opts: dict, steps: int, device: torch.device, extra: dict | None = None, rounds: int = 5) -> dict:
     """Median milliseconds per ``step()`` for each optimizer in ``opts`` (first steps untimed).
 
     CUDA: ``do_bench`` per optimizer: each timed call starts on an idle GPU (after an L2 flush), so
-    the host work that precedes the first launch is counted in full -- step LATENCY. ``extra`` (a
-    dict) also receives, per name, ``back_to_back_ms`` (GPU time per step over 50 steps issued back
-    to back, as a training loop does: max(host, GPU) per step) and ``host_ms`` (the host's wall time
-    to issue one step). CPU: wall clock, the optimizers INTERLEAVED step by step, so that a shared
-    machine's load drifts into both measurements alike."""
+    the host work that precedes the first launch is counted in full -- step LATENCY. The optimizers
+    take turns for ``rounds`` rounds and each one's median over the rounds is kept, so that drift in
+    the host's load (other ranks, other jobs) reaches all alike. ``extra`` (a dict) also receives,
+    per name, ``back_to_back_ms`` (GPU time per step over 50 steps issued back to back, as a
+    training loop does: max(host, GPU) per step) and ``host_ms`` (the host's wall time to issue one
+    step), medians over the same rounds. CPU: wall clock, the optimizers interleaved step by step."""
     from tutorial_lib.bench import bench_ms
 
     for opt in opts.values():
         opt.step()  # build tables / state outside the timing
     if device.type == "cuda":
-        if extra is not None:
+        ms = {name: [] for name in opts}
+        b2b = {name: [] for name in opts}
+        for _ in range(rounds):
             for name, opt in opts.items():
-                extra[name] = time_back_to_back(opt.step)
-        return {name: bench_ms(opt.step) for name, opt in opts.items()}
+                ms[name].append(bench_ms(opt.step))
+                if extra is not None:
+                    b2b[name].append(time_back_to_back(opt.step))
+        if extra is not None:
+            for name, runs in b2b.items():
+                extra[name] = {k: statistics.median(r[k] for r in runs) for k in ("back_to_back_ms", "host_ms")}
+        return {name: statistics.median(v) for name, v in ms.items()}
     times = {name: [] for name in opts}
     for _ in range(steps):
         for name, opt in opts.items():
             t = time.perf_counter()
             opt.step()
             times[name].append((time.perf_counter() - t) * 1e3)
-    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def time_new_grads(opts: dict, grad_sets: dict, steps: int) -> dict:
+    """Host milliseconds of ``step()`` when every step brings NEW gradient tensors -- what a training
+    loop with ``zero_grad()`` (set_to_none) sees: the optimizer re-reads and re-validates every
+    address. ``grad_sets[name]`` holds two lists of grads per optimizer, assigned alternately (the
+    assignment is not timed). Interleaved like :func:`_time_pair`; medians over ``steps`` steps."""
+    times = {name: [] for name in opts}
+    cuda = torch.cuda.is_available() and next(iter(grad_sets.values()))[0][0].is_cuda
+    for i in range(steps + 1):
+        for name, opt in opts.items():
+            for p, g in zip(opt.param_groups[0]["params"], grad_sets[name][i % 2]):
+                p.grad = g
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            opt.step()
+            dt = (time.perf_counter() - t) * 1e3
+            if cuda:
+                torch.cuda.synchronize()
+            if i:  # the first step of each optimizer is a warm-up
+                times[name].append(dt)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def time_back_to_back(fn, steps: int = 50) -> dict:
@@ -290,19 +322,28 @@ def dtensor_overhead(n_params: int = 200, numel: int = 64, steps: int = 3, optim
     grads = [torch.randn(numel, device=dev) for _ in range(n_params)]
     shape = torch.Size((numel * world,))
 
-    def make(kind):
-        if kind == "plain":
-            params = [nn.Parameter(x.clone()) for x in locals_]
-            for p, g in zip(params, grads):
-                p.grad = g.clone()
-            return params
-        params = [nn.Parameter(DTensor.from_local(x.clone(), mesh, (Shard(0),), run_check=False, shape=shape,
-                                                  stride=(1,))) for x in locals_]
-        for p, g in zip(params, grads):
-            p.grad = DTensor.from_local(g.clone(), mesh, (Shard(0),), run_check=False, shape=shape, stride=(1,))
+    def wrap(x):  # a Shard(0) DTensor around x; its local tensor is a view of x, as FSDP2's shards are
+        return DTensor.from_local(x, mesh, (Shard(0),), run_check=False, shape=shape, stride=(1,))
+
+    def grads_for(kind):
+        dgrads = [wrap(g.clone()) for g in grads]
+        return dgrads if kind == "dtensor" else [g._local_tensor for g in dgrads]
+
+    def make(kind):  # plain parameters ARE the local tensors a DTensor run would hold (views too)
+        dparams = [wrap(x.clone()) for x in locals_]
+        params = [nn.Parameter(p if kind == "dtensor" else p._local_tensor) for p in dparams]
+        for p, g in zip(params, grads_for(kind)):
+            p.grad = g
         return params
 
     out = {"rank": rank, "n_params": n_params, "local_numel": numel}
+    if "fused" in optimizers:  # every step with new grad tensors (zero_grad + backward): host ms per step
+        opts = {kind: _OPTIMIZERS["fused"](make(kind)) for kind in ("plain", "dtensor")}
+        sets = {kind: [grads_for(kind), grads_for(kind)] for kind in opts}
+        host = time_new_grads(opts, sets, steps=20 if dev.type == "cuda" else steps)
+        out["fused_new_grads_host_ms"] = {k: round(v, 4) for k, v in host.items()}
+        out["fused_new_grads_ratio"] = host["dtensor"] / host["plain"]
+        del opts, sets
     for name in optimizers:
         extra = {}
         try:
@@ -330,9 +371,18 @@ def dtensor_overhead(n_params: int = 200, numel: int = 64, steps: int = 3, optim
         opt.step()
         params[0].grad = saved.clone()
         opt.step()
+        # new storage for a parameter: p.data = ... (plain) / a new local shard object, as FSDP2's lazy
+        # init installs one (DTensor). The old storage is scribbled on: a stale table would update it.
+        old = params[1]._local_tensor if kind == "dtensor" else params[1].data
+        if kind == "dtensor":
+            params[1]._local_tensor = old.clone()
+        else:
+            params[1].data = old.clone()
+        old.fill_(123.0)
+        opt.step()
         finals.append([p.detach()._local_tensor if kind == "dtensor" else p.detach() for p in params])
-        finals[-1].append(opt.state[params[0]]["step"].clone())  # 2 steps: the None grad was skipped
-        finals[-1].append(opt.state[params[-1]]["step"].clone())  # 3 steps
+        finals[-1].append(opt.state[params[0]]["step"].clone())  # 3 steps: the None grad was skipped
+        finals[-1].append(opt.state[params[-1]]["step"].clone())  # 4 steps
     out["fused_dtensor_equals_plain"] = all(torch.equal(a, b) for a, b in zip(*finals))
     out["fused_steps_first_last"] = [x.item() for x in finals[1][-2:]]
     return out
