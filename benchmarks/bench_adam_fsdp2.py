@@ -8,7 +8,7 @@ per step and launches the same kernel either way. Goal (issue 6): FusedAdam's DT
 tensor case of bench_adam.py), timed with do_bench on the rank's GPU; rank 0's numbers are reported.
 
     python benchmarks/bench_adam_fsdp2.py                 # 2 GPUs, results into benchmarks/results/
-    python benchmarks/bench_adam_fsdp2.py --quick         # 2 CPU ranks (gloo, interpreter), temp dir
+    python benchmarks/bench_adam_fsdp2.py --quick         # tiny sizes (2 CPU ranks without 2 GPUs), temp dir
 """
 
 from __future__ import annotations
@@ -27,13 +27,15 @@ from tutorial_lib.launcher import launch
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/)")
-    parser.add_argument("--quick", action="store_true", help="2 CPU ranks, tiny sizes, results to a temp dir")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes (2 CPU ranks without 2 GPUs), results to a temp dir")
     args = parser.parse_args(argv)
-    if args.quick:
-        device, n_params, numel, optimizers = "cpu", 20, 64, ("torch", "fused")
+    two_gpus = torch.cuda.device_count() >= 2
+    if args.quick:  # tiny sizes; on 2 GPUs when there are 2 (CPU tensors need the Triton interpreter)
+        device, n_params, numel, optimizers = "cuda" if two_gpus else "cpu", 20, 64, ("torch", "fused")
         out = args.out or tempfile.mkdtemp(prefix="bench-adam-fsdp2-")
     else:
-        if torch.cuda.device_count() < 2:
+        if not two_gpus:
             raise SystemExit("needs 2 GPUs; use --quick on a CPU")
         device, n_params, numel, optimizers = "cuda", 2000, 49_000, ("torch", "torch_fused", "fused")
         out = args.out or "benchmarks/results"

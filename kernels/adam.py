@@ -337,6 +337,10 @@ def build_tables(
     if block & (block - 1) or block < 16:
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     device = weights[0].device
+    if device.type == "cpu" and not interpreted():
+        raise ValueError("the Triton Adam kernels run on CPU tensors only in Triton's interpreter "
+                         "(TRITON_INTERPRET=1 before triton is imported; set by default on machines without a "
+                         "GPU); on this machine, put the parameters and optimizer state on the GPU")
     w_dtype = weights[0].dtype
     if w_dtype not in _TL_DTYPES or grad_dtype not in _TL_DTYPES:
         raise TypeError(f"weights and grads must be fp32, bf16 or fp16, got {w_dtype} / {grad_dtype}")

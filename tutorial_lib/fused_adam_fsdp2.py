@@ -224,13 +224,14 @@ def quantized_dtensor_step(steps: int = 3, lr: float = 1e-2, rows: int = 9, cols
     }
 
 
-def _time_pair(opts: dict, steps: int, device: torch.device, extra: dict | None = None, rounds: int = 5) -> dict:
+def _time_pair(opts: dict, steps: int, device: torch.device, extra: dict | None = None, rounds: int = 7) -> dict:
     """Median milliseconds per ``step()`` for each optimizer in ``opts`` (first steps untimed).
 
     CUDA: ``do_bench`` per optimizer: each timed call starts on an idle GPU (after an L2 flush), so
     the host work that precedes the first launch is counted in full -- step LATENCY. The optimizers
     take turns for ``rounds`` rounds and each one's median over the rounds is kept, so that drift in
-    the host's load (other ranks, other jobs) reaches all alike. ``extra`` (a dict) also receives,
+    the host's load reaches all alike; a barrier before each timing makes all ranks time the same
+    optimizer at once (they share the host's cores and caches). ``extra`` (a dict) also receives,
     per name, ``back_to_back_ms`` (GPU time per step over 50 steps issued back to back, as a
     training loop does: max(host, GPU) per step) and ``host_ms`` (the host's wall time to issue one
     step), medians over the same rounds. CPU: wall clock, the optimizers interleaved step by step."""
@@ -243,8 +244,10 @@ def _time_pair(opts: dict, steps: int, device: torch.device, extra: dict | None 
         b2b = {name: [] for name in opts}
         for _ in range(rounds):
             for name, opt in opts.items():
+                _barrier()  # all ranks time the same variant at once: they share the host's CPU and caches
                 ms[name].append(bench_ms(opt.step))
                 if extra is not None:
+                    _barrier()
                     b2b[name].append(time_back_to_back(opt.step))
         if extra is not None:
             for name, runs in b2b.items():
@@ -257,6 +260,11 @@ def _time_pair(opts: dict, steps: int, device: torch.device, extra: dict | None 
             opt.step()
             times[name].append((time.perf_counter() - t) * 1e3)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def time_new_grads(opts: dict, grad_sets: dict, steps: int) -> dict:
@@ -272,6 +280,7 @@ def time_new_grads(opts: dict, grad_sets: dict, steps: int) -> dict:
                 p.grad = g
             if cuda:
                 torch.cuda.synchronize()
+            _barrier()
             t = time.perf_counter()
             opt.step()
             dt = (time.perf_counter() - t) * 1e3

@@ -237,9 +237,10 @@ class Plan:
                 # p.grad on a tensor SUBCLASS (DTensor) first asks __torch_function__ whether it wants
                 # the attribute read (~2.5x the cost of the read); switched off, the same objects come back
                 with torch._C.DisableTorchFunctionSubclass():
-                    grads = list(map(_GRAD, self.params))
-                if self.kind == "dtensor":
-                    grads = list(map(_LOCAL_TENSOR, grads))  # None has no _local_tensor: AttributeError
+                    if self.kind == "dtensor":  # None has no _local_tensor: AttributeError
+                        grads = list(map(_LOCAL_TENSOR, map(_GRAD, self.params)))
+                    else:
+                        grads = list(map(_GRAD, self.params))
                 return grads, list(map(_DATA_PTR, grads))  # None is no Tensor: TypeError
             except (AttributeError, TypeError):
                 pass

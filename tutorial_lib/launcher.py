@@ -33,6 +33,9 @@ Design choices, each for a measured reason (see ``shared/FACTS.md``):
 * **A short collective timeout** (``collective_timeout``) turns a mismatched collective into
   an error in seconds instead of gloo's default 30 minutes, and the overall ``timeout`` kills
   ranks that hang outside collectives.
+* **CUDA ranks get ``CUBLAS_WORKSPACE_CONFIG=:4096:8``** unless it is set: without it cuBLAS is
+  not run-to-run deterministic when FSDP2 issues work from several streams, and lessons 06 and 09
+  compare runs bit for bit (:func:`tutorial_lib.runtime.deterministic_cuda`).
 * **Workers leave with ``os._exit``** after their result is on disk: gloo's native threads
   otherwise abort about 5% of jobs at interpreter shutdown.
 """
@@ -56,7 +59,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from tutorial_lib.runtime import backend_for, resolve_device
+from tutorial_lib.runtime import CUBLAS_DETERMINISTIC_WORKSPACE, backend_for, resolve_device
 
 __all__ = ["launch", "rank_device", "LaunchError", "LaunchTimeout", "RankFailed"]
 
@@ -126,6 +129,8 @@ def _rank_main(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         )
         if device_type == "cuda":
+            # before any cuBLAS call: deterministic across streams, so lessons can compare runs bit for bit
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
             torch.cuda.set_device(rank)
             _RANK_DEVICE = torch.device("cuda", rank)
         else:

@@ -58,6 +58,7 @@ from tutorial_lib.fsdp2_quantized import (
 from tutorial_lib.fused_adam import HP_INIT_ATTR
 from tutorial_lib.models import BlockMLP, _named_leaf_params, chunk_elems, counter_uniform, init_range, local_rows
 from tutorial_lib.quantized_tensor import FALLBACKS, QuantizedTensor, is_quantized, local_tensor, reset_counters
+from tutorial_lib.runtime import deterministic_cuda
 from tutorial_lib.scaling import CurrentScaling, all_reduce_amax, amax, quantize_per_tensor, scale_from_amax
 from tutorial_lib.view_policy import allow_flat_views
 
@@ -483,6 +484,8 @@ def train_compare(dim: int = 32, hidden: int = 64, n_blocks: int = 2, steps: int
     requantized bytes, so the derived tolerance is ZERO (``torch.equal``), step after step.
     """
     mesh, dev = rank_setup()
+    if dev.type == "cuda":
+        deterministic_cuda()  # the claim below is bit-exactness; cuBLAS must not vary between runs
     ws, rank = mesh.size(), mesh.get_local_rank()
     if hook_form is not None:
         attach_fsdp2_hooks(hook_form)

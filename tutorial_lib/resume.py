@@ -47,6 +47,7 @@ from tutorial_lib.checkpoint import (
 )
 from tutorial_lib.extra_state import QuantizerStates
 from tutorial_lib.quantized_tensor import QuantizedTensor, is_quantized, local_tensor
+from tutorial_lib.runtime import deterministic_cuda
 
 __all__ = [
     "RESUME_MODES",
@@ -289,18 +290,6 @@ def _mesh():
     if dev.type == "cuda":
         deterministic_cuda()
     return dev, init_device_mesh(dev.type, (dist.get_world_size(),))
-
-
-def deterministic_cuda() -> None:
-    """What a bit-exact resume needs on GPUs: deterministic kernels.
-
-    cuBLAS picks workspace-dependent (run-to-run different) reductions when work is issued from
-    several streams -- FSDP2 uses several -- unless ``CUBLAS_WORKSPACE_CONFIG`` is set before its
-    first use in the process; ``use_deterministic_algorithms`` covers torch's own kernels. Measured
-    on 2 H200s without it: the resumed loss differed from the uninterrupted run in the last bits.
-    """
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def _resume(cfg: RunConfig, path: str, dev, mesh, rank: int, quantizers: bool = True):

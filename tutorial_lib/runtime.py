@@ -51,6 +51,23 @@ def backend_for(device: torch.device | str) -> str:
     raise ValueError(f"no process-group backend for device type {kind!r}")
 
 
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+"""``CUBLAS_WORKSPACE_CONFIG`` that makes cuBLAS run-to-run deterministic across streams."""
+
+
+def deterministic_cuda() -> None:
+    """What bit-exact comparisons of GPU runs need: deterministic kernels.
+
+    cuBLAS picks workspace-dependent (run-to-run different) reductions when work is issued from
+    several streams -- FSDP2 uses several -- unless ``CUBLAS_WORKSPACE_CONFIG`` is set before its
+    first use in the process (the launcher sets it in every CUDA rank for this reason);
+    ``use_deterministic_algorithms`` covers torch's own kernels. Measured on 2 H200s without it:
+    a resumed loss (lesson 09) and a sharded-vs-single-process loss (lesson 06) differed in the last bits.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def triton_mode() -> str:
     """``"interpreted"`` or ``"compiled"``: how the Triton kernels will run here."""
     interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
