@@ -8,7 +8,8 @@ where GPUs are visible -- and the tests then check the results:
   the reference sees the same micro-batches (same matmul shapes on the same data) and FSDP2's
   gradient average over 2 ranks is exact (a halving and a two-term sum); see
   ``quantized_init.train_compare``. Per-tensor FP8 with uneven shards and reshard_after_forward
-  True and False, MXFP8, NVFP4 and FP8 128x128 blockwise, and the older 1-argument hook form;
+  True and False, MXFP8, NVFP4 and FP8 128x128 blockwise, and the older 1-argument hook form; on
+  GPUs also with the compute stream lagging behind the host (FSDP2's prefetch reuses freed memory);
 * bytes: every all-gather moves exactly the quantized buffers (codes + per-block scales; a
   per-tensor scale travels as metadata), computed here from the shapes, independently of the library;
 * unshard == a manual gather of the shards, bit for bit, for every parameter;
@@ -36,6 +37,8 @@ WS = 2
 SCENARIOS = {
     "fp8 uneven": (train_compare, dict(dim=15, hidden=33, n_blocks=2, steps=3, recipe="fp8")),
     "fp8 no reshard": (train_compare, dict(dim=32, hidden=64, n_blocks=1, steps=2, reshard_after_forward=False)),
+    # GPU: the compute stream lags the host (CPU: the same run without lag): stream-shared buffers must survive
+    "fp8 lagging stream": (train_compare, dict(dim=32, hidden=64, n_blocks=4, steps=3, recipe="fp8", lag_ms=2.0)),
     "fp8 1-arg hooks": (train_compare, dict(dim=32, hidden=64, n_blocks=1, steps=2, hook_form="1-arg")),
     "mxfp8": (train_compare, dict(dim=32, hidden=64, n_blocks=1, steps=2, recipe="mxfp8")),
     "nvfp4": (train_compare, dict(dim=32, hidden=64, n_blocks=1, steps=2, recipe="nvfp4")),

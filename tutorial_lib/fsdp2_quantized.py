@@ -238,6 +238,18 @@ def _fsdp_pre_all_gather_1arg(self, mesh):
     return _pre_all_gather(self, mesh, None)
 
 
+def _used_on_this_stream(tensors) -> None:
+    """The scale copies in the metadata were allocated on FSDP2's all-gather COPY-IN stream (the
+    pre-all-gather hook runs there) and are read here, on the compute stream. Tell the caching
+    allocator (``record_stream``); otherwise, once the unsharded weight is freed, it hands their memory
+    to the next copy-in -- the next layer's scale, prefetched -- while kernels queued on this stream
+    still have to read it. Found on 2 H200s: losses differed from the reference in the last bits,
+    only when the GPUs were busy with other work (timing-dependent)."""
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
 def _fsdp_post_all_gather(self, all_gather_outputs, metadata: _GatherMeta, param_dtype, *, out=None):
     """FSDP2 hook: wrap the gathered buffers (no copy) as the unsharded quantized tensor."""
     m = metadata
@@ -246,6 +258,7 @@ def _fsdp_post_all_gather(self, all_gather_outputs, metadata: _GatherMeta, param
     for name, o, ratio in zip(m.gathered, all_gather_outputs, m.rows_ratio):
         rows = n_rows // ratio
         bufs[name] = o if o.shape[0] == rows else o.narrow(0, 0, rows)  # drop the padding rows
+    _used_on_this_stream(m.replicated.values())
     bufs.update(m.replicated)
     shape = m.shape if m.shape is not None else (n_rows, *self.shape[1:])
     if out is not None:  # 2nd+ call: `out` is the unsharded parameter FSDP2 kept (a DTensor for 2-D meshes)

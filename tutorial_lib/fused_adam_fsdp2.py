@@ -267,27 +267,31 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def time_new_grads(opts: dict, grad_sets: dict, steps: int) -> dict:
+def time_new_grads(opts: dict, grad_sets: dict, rounds: int = 4, steps: int = 5) -> dict:
     """Host milliseconds of ``step()`` when every step brings NEW gradient tensors -- what a training
     loop with ``zero_grad()`` (set_to_none) sees: the optimizer re-reads and re-validates every
     address. ``grad_sets[name]`` holds two lists of grads per optimizer, assigned alternately (the
-    assignment is not timed). Interleaved like :func:`_time_pair`; medians over ``steps`` steps."""
+    assignment is not timed). The optimizers take turns for ``rounds`` rounds of ``steps`` steps
+    (a barrier before each, as in :func:`_time_pair`); medians over all timed steps."""
     times = {name: [] for name in opts}
     cuda = torch.cuda.is_available() and next(iter(grad_sets.values()))[0][0].is_cuda
-    for i in range(steps + 1):
+    for name, opt in opts.items():  # untimed warm-up: the new-grad path once per optimizer
+        for p, g in zip(opt.param_groups[0]["params"], grad_sets[name][1]):
+            p.grad = g
+        opt.step()
+    for _ in range(rounds):
         for name, opt in opts.items():
-            for p, g in zip(opt.param_groups[0]["params"], grad_sets[name][i % 2]):
-                p.grad = g
-            if cuda:
-                torch.cuda.synchronize()
             _barrier()
-            t = time.perf_counter()
-            opt.step()
-            dt = (time.perf_counter() - t) * 1e3
-            if cuda:
-                torch.cuda.synchronize()
-            if i:  # the first step of each optimizer is a warm-up
-                times[name].append(dt)
+            for i in range(steps):
+                for p, g in zip(opt.param_groups[0]["params"], grad_sets[name][i % 2]):
+                    p.grad = g
+                if cuda:
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                opt.step()
+                times[name].append((time.perf_counter() - t) * 1e3)
+    if cuda:
+        torch.cuda.synchronize()
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -349,7 +353,8 @@ def dtensor_overhead(n_params: int = 200, numel: int = 64, steps: int = 3, optim
     if "fused" in optimizers:  # every step with new grad tensors (zero_grad + backward): host ms per step
         opts = {kind: _OPTIMIZERS["fused"](make(kind)) for kind in ("plain", "dtensor")}
         sets = {kind: [grads_for(kind), grads_for(kind)] for kind in opts}
-        host = time_new_grads(opts, sets, steps=20 if dev.type == "cuda" else steps)
+        rounds, per_round = (4, 5) if dev.type == "cuda" else (1, steps)
+        host = time_new_grads(opts, sets, rounds=rounds, steps=per_round)
         out["fused_new_grads_host_ms"] = {k: round(v, 4) for k, v in host.items()}
         out["fused_new_grads_ratio"] = host["dtensor"] / host["plain"]
         del opts, sets

@@ -471,7 +471,7 @@ def _batch(step: int, n: int, dim: int, device) -> tuple[torch.Tensor, torch.Ten
 
 def train_compare(dim: int = 32, hidden: int = 64, n_blocks: int = 2, steps: int = 3, recipe: str = "fp8", *,
                   reshard_after_forward: bool = True, batch: int = 4, lr: float = 1e-2, weight_decay: float = 0.01,
-                  hook_form: str | None = None, seed: int = 0) -> dict:
+                  hook_form: str | None = None, seed: int = 0, lag_ms: float = 0.0) -> dict:
     """Train the sharded quantized model and its single-process twin side by side; compare every weight.
 
     The reference runs in the same process and sees the same global batch split into the same
@@ -482,6 +482,11 @@ def train_compare(dim: int = 32, hidden: int = 64, n_blocks: int = 2, steps: int
     ``max_abs_diff``/``ref_absmax`` and ``masters_max_rel_diff`` (max |diff| / max |master|) bound that.
     Identical gradients give identical AdamW updates of the fp32 masters and identical
     requantized bytes, so the derived tolerance is ZERO (``torch.equal``), step after step.
+
+    ``lag_ms`` (GPU only): each block's forward first spins the compute stream for about that long
+    (``torch.cuda._sleep``), so the host runs ahead and FSDP2's prefetching all-gathers allocate
+    while earlier kernels are still queued -- the timing under which a buffer shared between streams
+    without ``record_stream`` gets overwritten (see ``fsdp2_quantized._used_on_this_stream``).
     """
     mesh, dev = rank_setup()
     if dev.type == "cuda":
@@ -495,6 +500,10 @@ def train_compare(dim: int = 32, hidden: int = 64, n_blocks: int = 2, steps: int
         model = build_sharded_quantized(build, mesh, rec, dev, preserve_high_precision=True,
                                         reshard_after_forward=reshard_after_forward)
         ref = quantize_params_(build().to(dev), rec, preserve_high_precision=True)
+        if lag_ms and dev.type == "cuda":
+            cycles = int(lag_ms * 2e6)  # ~2 GHz SM clock
+            for block in model.blocks:
+                block.register_forward_pre_hook(lambda module, args: torch.cuda._sleep(cycles))
         before = {n: _local_values(p) for n, p in model.named_parameters()}
         masters, ref_masters = MasterWeights(model), MasterWeights(ref)
         opt = torch.optim.AdamW(masters.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
