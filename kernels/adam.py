@@ -337,10 +337,6 @@ def build_tables(
     if block & (block - 1) or block < 16:
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     device = weights[0].device
-    if device.type == "cpu" and not interpreted():
-        raise ValueError("the Triton Adam kernels run on CPU tensors only in Triton's interpreter "
-                         "(TRITON_INTERPRET=1 before triton is imported; set by default on machines without a "
-                         "GPU); on this machine, put the parameters and optimizer state on the GPU")
     w_dtype = weights[0].dtype
     if w_dtype not in _TL_DTYPES or grad_dtype not in _TL_DTYPES:
         raise TypeError(f"weights and grads must be fp32, bf16 or fp16, got {w_dtype} / {grad_dtype}")
@@ -411,6 +407,10 @@ def launch_adamw(
     holds max|new master| per tensor afterwards.
     """
     beta1, beta2 = betas
+    if tables.table.device.type == "cpu" and not interpreted():  # else Triton fails on a CPU pointer
+        raise ValueError("the Triton Adam kernels run on CPU tensors only in Triton's interpreter "
+                         "(TRITON_INTERPRET=1 before triton is imported; set by default on machines without a "
+                         "GPU); on this machine, put the parameters and optimizer state on the GPU")
     if hyper.shape != (2, tables.n_tensors) or hyper.dtype != torch.float32:
         raise ValueError(f"hyper must be fp32 [2, {tables.n_tensors}], got {hyper.dtype} {tuple(hyper.shape)}")
     if (tables.out == "fp8") != (scales is not None):

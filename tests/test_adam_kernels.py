@@ -272,6 +272,16 @@ def test_bad_input_is_named():
                        weight_decay=0.0)
 
 
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    """On a GPU machine Triton is compiled: CPU tables (building them is fine, e.g. for state loaded on
+    the CPU) must be refused at launch with the reason, not with Triton's "cpu tensor?" message."""
+    z = torch.zeros(8)
+    tables = k.build_tables([z], [z.clone()], [z.clone()], grad_dtype=torch.float32)
+    monkeypatch.setattr(k, "interpreted", lambda: False)
+    with pytest.raises(ValueError, match="only in Triton's interpreter"):
+        k.launch_adamw(tables, torch.ones(2, 1), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+
 # --------------------------------------------------------------------------- compiled code, without a GPU
 
 _AOT = r"""

@@ -167,8 +167,19 @@ def results_markdown(results_dir: str | Path) -> str:
                 peer, ratio = "-", "-"
             frac = c.get("fraction_of_copy")
             frac_s = f"{frac:.0%}" if isinstance(frac, (int, float)) else "-"
-            lines.append(f"| {stem} | {c['name']} | {c['ours_ms']:.3f} | {peer} | {ratio} | {frac_s} | {where} |")
+            lines.append(f"| {stem} | {_case_label(c)} | {c['ours_ms']:.3f} | {peer} | {ratio} | {frac_s} | {where} |")
     return "\n".join(lines)
+
+
+def _case_label(c: dict) -> str:
+    """The case name, plus the per-rank ratios a multi-rank case records (every rank, not just rank 0)."""
+    label = c["name"]
+    for key, what in (("dtensor_over_plain", "latency"), ("dtensor_over_plain_back_to_back", "back to back"),
+                      ("dtensor_over_plain_new_grads_host", "new grads, host")):
+        ratios = c.get(key, {}).get("FusedAdam")
+        if ratios:
+            label += f"; FusedAdam DTensor/plain per rank, {what}: {ratios}"
+    return label
 
 
 def update_readme(readme: str | Path, results_dir: str | Path) -> bool:
