@@ -243,8 +243,9 @@ def _used_on_this_stream(tensors) -> None:
     pre-all-gather hook runs there) and are read here, on the compute stream. Tell the caching
     allocator (``record_stream``); otherwise, once the unsharded weight is freed, it hands their memory
     to the next copy-in -- the next layer's scale, prefetched -- while kernels queued on this stream
-    still have to read it. Found on 2 H200s: losses differed from the reference in the last bits,
-    only when the GPUs were busy with other work (timing-dependent)."""
+    may still have to read it. (Added while chasing bit-exactness failures seen on busy GPUs; a
+    stress test with a lagging compute stream did not reproduce them without it: see the README's
+    known issue.)"""
     for t in tensors:
         if t.is_cuda:
             t.record_stream(torch.cuda.current_stream(t.device))
