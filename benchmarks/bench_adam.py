@@ -37,9 +37,8 @@ import tutorial_kernels.adam as k  # first: sets TRITON_INTERPRET=1 on a CPU-onl
 
 from tutorial_lib.adam_reference import adam_bytes_per_element, adam_step_scalars_tensor
 from tutorial_lib.bench import bench_ms as _bench_ms
-from tutorial_lib.bench import case, copy_bandwidth_GBps, write_results
+from tutorial_lib.bench import case, copy_bandwidth_GBps, time_back_to_back, write_results
 from tutorial_lib.fused_adam import FusedAdam
-from tutorial_lib.fused_adam_fsdp2 import time_back_to_back
 from tutorial_lib.scaling import DelayedScaling, quantize_per_tensor
 
 CONFIGS = [(1024, 4), (2048, 8), (4096, 8)]  # (BLOCK, num_warps) swept for our kernels

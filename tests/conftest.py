@@ -4,7 +4,10 @@
 hardware for the papermill runs; the defaults use all local GPUs, or 2 CPU ranks.
 """
 
+import json
 import os
+import subprocess
+import sys
 
 # Before anything imports triton: on a CPU-only machine this selects Triton's interpreter, and it
 # must happen before `triton.language` is first imported (it decorates its own tl.max & co. then).
@@ -39,3 +42,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def compile_ptx():
+    """``compile_ptx(script, timeout)``: run ``script`` in a fresh interpreter with Triton in COMPILED mode
+    (``TRITON_INTERPRET=0``, as on a GPU) and return the JSON it prints (PTX per kernel variant). CPU CI
+    never compiles a kernel otherwise. Skips where the Triton wheel ships no ``ptxas``."""
+
+    def run(script: str, timeout: int = 300) -> dict:
+        env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
+            pytest.skip("this Triton wheel ships no ptxas")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout)
+
+    return run

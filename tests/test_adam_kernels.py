@@ -311,7 +311,7 @@ json.dump(out, sys.stdout)
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="on a GPU the tests above run the compiled kernels themselves")
-def test_kernel_compiles_for_sm90_and_vectorises_when_aligned():
+def test_kernel_compiles_for_sm90_and_vectorises_when_aligned(compile_ptx):
     """CPU CI never compiles a kernel (the interpreter even accepts non-constexpr globals a compiled
     kernel rejects). Compile the multi-tensor kernel to PTX for an H100/H200 and check what the
     bandwidth goals need: 16-byte loads/stores once the host has proven 16-byte alignment, ONE register
@@ -319,18 +319,9 @@ def test_kernel_compiles_for_sm90_and_vectorises_when_aligned():
     conversions: that cost the FP8 kernel a third of its bandwidth), vectorised partial last chunks
     when every size is a multiple of 4, IEEE sqrt/division (as torch), hardware satfinite FP8
     conversion and a relaxed amax atomic (no acquire/release fence)."""
-    import json
-    import os
     import re
-    import subprocess
-    import sys
 
-    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    proc = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr:
-        pytest.skip("this Triton wheel ships no ptxas")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ptx = json.loads(proc.stdout)
+    ptx = compile_ptx(_AOT, timeout=300)
     assert "ld.global.v4" not in ptx["fp32_False"]  # alignment unknown: scalar accesses only
     for name in ("fp32", "bf16_master", "fp8"):
         assert ptx[f"{name}_True"].count("ld.global.v4") >= 12, f"{name}: loads are not vectorised"

@@ -46,6 +46,22 @@ def bench_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 20) -> float:
     return statistics.median(times)
 
 
+def time_back_to_back(fn, steps: int = 50) -> dict:
+    """CUDA: GPU milliseconds per call of ``fn`` over ``steps`` calls issued back to back (what a
+    training loop sees: max(host, GPU) per step) and the host's wall milliseconds per call."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t = time.perf_counter()
+    start.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    host = (time.perf_counter() - t) * 1e3 / steps
+    end.synchronize()
+    return {"back_to_back_ms": start.elapsed_time(end) / steps, "host_ms": host}
+
+
 def benchmark_device(quick: bool) -> torch.device:
     """CUDA for a real run; the CPU only for a ``--quick`` smoke run (interpreter, tiny sizes)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -235,7 +235,7 @@ def _time_pair(opts: dict, steps: int, device: torch.device, extra: dict | None 
     per name, ``back_to_back_ms`` (GPU time per step over 50 steps issued back to back, as a
     training loop does: max(host, GPU) per step) and ``host_ms`` (the host's wall time to issue one
     step), medians over the same rounds. CPU: wall clock, the optimizers interleaved step by step."""
-    from tutorial_lib.bench import bench_ms
+    from tutorial_lib.bench import bench_ms, time_back_to_back
 
     for opt in opts.values():
         opt.step()  # build tables / state outside the timing
@@ -293,22 +293,6 @@ def time_new_grads(opts: dict, grad_sets: dict, rounds: int = 4, steps: int = 5)
     if cuda:
         torch.cuda.synchronize()
     return {name: statistics.median(ts) for name, ts in times.items()}
-
-
-def time_back_to_back(fn, steps: int = 50) -> dict:
-    """CUDA: GPU milliseconds per call of ``fn`` over ``steps`` calls issued back to back (what a
-    training loop sees: max(host, GPU) per step) and the host's wall milliseconds per call."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t = time.perf_counter()
-    start.record()
-    for _ in range(steps):
-        fn()
-    end.record()
-    host = (time.perf_counter() - t) * 1e3 / steps
-    end.synchronize()
-    return {"back_to_back_ms": start.elapsed_time(end) / steps, "host_ms": host}
 
 
 _OPTIMIZERS = {
