@@ -245,7 +245,7 @@ def _used_on_this_stream(tensors) -> None:
     to the next copy-in -- the next layer's scale, prefetched -- while kernels queued on this stream
     may still have to read it. (Added while chasing bit-exactness failures seen on busy GPUs; a
     stress test with a lagging compute stream did not reproduce them without it: see the README's
-    known issue.)"""
+    "Bit-exact checks on busy GPUs".)"""
     for t in tensors:
         if t.is_cuda:
             t.record_stream(torch.cuda.current_stream(t.device))

@@ -20,6 +20,7 @@ device per rank) and returns plain picklable results::
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -224,42 +225,54 @@ def quantized_dtensor_step(steps: int = 3, lr: float = 1e-2, rows: int = 9, cols
     }
 
 
-def _time_pair(opts: dict, steps: int, device: torch.device, extra: dict | None = None, rounds: int = 7) -> dict:
-    """Median milliseconds per ``step()`` for each optimizer in ``opts`` (first steps untimed).
+def _time_pair(opts: dict, steps: int, device: torch.device, extra: dict | None = None, rounds: int = 9) -> dict:
+    """Milliseconds per ``step()`` for each optimizer in ``opts``, one value per round (first steps
+    untimed): ``{name: [ms, ...]}``, the lists paired round by round (see :func:`paired_ratio`).
 
     CUDA: ``do_bench`` per optimizer: each timed call starts on an idle GPU (after an L2 flush), so
-    the host work that precedes the first launch is counted in full -- step LATENCY. The optimizers
-    take turns for ``rounds`` rounds and each one's median over the rounds is kept, so that drift in
-    the host's load reaches all alike; a barrier before each timing makes all ranks time the same
-    optimizer at once (they share the host's cores and caches). ``extra`` (a dict) also receives,
-    per name, ``back_to_back_ms`` (GPU time per step over 50 steps issued back to back, as a
-    training loop does: max(host, GPU) per step) and ``host_ms`` (the host's wall time to issue one
-    step), medians over the same rounds. CPU: wall clock, the optimizers interleaved step by step."""
+    the host work that precedes the first launch is counted in full -- step LATENCY. With ~2,000
+    parameters that host work (a few passes over the parameter objects) is as long as the ~0.7 ms
+    kernel or longer, and it drifts with the state of the host: measured on 2x H200 the same step
+    took 0.7-1.2 ms of host time in a fresh process and 1.0-2.0 ms in benchmark runs minutes apart,
+    and single rounds gave DTensor/plain ratios from 0.52 to 1.16. Hence the optimizers take
+    turns for ``rounds`` rounds, in alternating order, and are compared ROUND BY ROUND; a barrier
+    before each timing makes all ranks time the same optimizer at once (they share the host's cores
+    and caches), and a garbage collection before it keeps collector pauses out of the windows.
+    ``extra`` (a dict) also receives, per name, ``back_to_back_ms`` (GPU time per step over 50 steps
+    issued back to back, as a training loop does: max(host, GPU) per step) and ``host_ms`` (the
+    host's wall time to issue one step), one value per round. CPU: wall clock, the optimizers
+    interleaved step by step (a "round" is one step)."""
     from tutorial_lib.bench import bench_ms, time_back_to_back
 
     for opt in opts.values():
         opt.step()  # build tables / state outside the timing
+    ms = {name: [] for name in opts}
     if device.type == "cuda":
-        ms = {name: [] for name in opts}
         b2b = {name: [] for name in opts}
-        for _ in range(rounds):
-            for name, opt in opts.items():
-                _barrier()  # all ranks time the same variant at once: they share the host's CPU and caches
-                ms[name].append(bench_ms(opt.step))
+        for r in range(rounds):
+            for name in (list(opts) if r % 2 == 0 else list(opts)[::-1]):
+                gc.collect()
+                _barrier()
+                ms[name].append(bench_ms(opts[name].step))
                 if extra is not None:
                     _barrier()
-                    b2b[name].append(time_back_to_back(opt.step))
+                    b2b[name].append(time_back_to_back(opts[name].step))
         if extra is not None:
             for name, runs in b2b.items():
-                extra[name] = {k: statistics.median(r[k] for r in runs) for k in ("back_to_back_ms", "host_ms")}
-        return {name: statistics.median(v) for name, v in ms.items()}
-    times = {name: [] for name in opts}
+                extra[name] = {k: [x[k] for x in runs] for k in ("back_to_back_ms", "host_ms")}
+        return ms
     for _ in range(steps):
         for name, opt in opts.items():
             t = time.perf_counter()
             opt.step()
-            times[name].append((time.perf_counter() - t) * 1e3)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            ms[name].append((time.perf_counter() - t) * 1e3)
+    return ms
+
+
+def paired_ratio(num: list[float], den: list[float]) -> float:
+    """Median of the round-by-round ratios ``num[i] / den[i]``: robust to drift that a ratio of two
+    medians (taken over different moments) is not."""
+    return statistics.median(a / b for a, b in zip(num, den))
 
 
 def _barrier() -> None:
@@ -272,15 +285,18 @@ def time_new_grads(opts: dict, grad_sets: dict, rounds: int = 4, steps: int = 5)
     loop with ``zero_grad()`` (set_to_none) sees: the optimizer re-reads and re-validates every
     address. ``grad_sets[name]`` holds two lists of grads per optimizer, assigned alternately (the
     assignment is not timed). The optimizers take turns for ``rounds`` rounds of ``steps`` steps
-    (a barrier before each, as in :func:`_time_pair`); medians over all timed steps."""
+    in alternating order (a barrier and a garbage collection before each, as in :func:`_time_pair`):
+    ``{name: [ms per step]}``, the lists paired step by step."""
     times = {name: [] for name in opts}
     cuda = torch.cuda.is_available() and next(iter(grad_sets.values()))[0][0].is_cuda
     for name, opt in opts.items():  # untimed warm-up: the new-grad path once per optimizer
         for p, g in zip(opt.param_groups[0]["params"], grad_sets[name][1]):
             p.grad = g
         opt.step()
-    for _ in range(rounds):
-        for name, opt in opts.items():
+    for r in range(rounds):
+        for name in (list(opts) if r % 2 == 0 else list(opts)[::-1]):
+            opt = opts[name]
+            gc.collect()
             _barrier()
             for i in range(steps):
                 for p, g in zip(opt.param_groups[0]["params"], grad_sets[name][i % 2]):
@@ -292,7 +308,7 @@ def time_new_grads(opts: dict, grad_sets: dict, rounds: int = 4, steps: int = 5)
                 times[name].append((time.perf_counter() - t) * 1e3)
     if cuda:
         torch.cuda.synchronize()
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
 
 
 _OPTIMIZERS = {
@@ -339,8 +355,8 @@ def dtensor_overhead(n_params: int = 200, numel: int = 64, steps: int = 3, optim
         sets = {kind: [grads_for(kind), grads_for(kind)] for kind in opts}
         rounds, per_round = (4, 5) if dev.type == "cuda" else (1, steps)
         host = time_new_grads(opts, sets, rounds=rounds, steps=per_round)
-        out["fused_new_grads_host_ms"] = {k: round(v, 4) for k, v in host.items()}
-        out["fused_new_grads_ratio"] = host["dtensor"] / host["plain"]
+        out["fused_new_grads_host_ms"] = {k: round(statistics.median(v), 4) for k, v in host.items()}
+        out["fused_new_grads_ratio"] = paired_ratio(host["dtensor"], host["plain"])
         del opts, sets
     for name in optimizers:
         extra = {}
@@ -352,12 +368,14 @@ def dtensor_overhead(n_params: int = 200, numel: int = 64, steps: int = 3, optim
                 raise
             out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:500]
             continue
-        out[f"{name}_plain_ms"], out[f"{name}_dtensor_ms"] = ms["plain"], ms["dtensor"]
-        out[f"{name}_ratio"] = ms["dtensor"] / ms["plain"]
+        out[f"{name}_plain_ms"], out[f"{name}_dtensor_ms"] = (statistics.median(ms[k]) for k in ("plain", "dtensor"))
+        out[f"{name}_ratio"] = paired_ratio(ms["dtensor"], ms["plain"])
+        out[f"{name}_round_ratios"] = [round(a / b, 3) for a, b in zip(ms["dtensor"], ms["plain"])]
         if extra:  # CUDA, FusedAdam: steps issued back to back, and the host's share
-            out[f"{name}_back_to_back_ms"] = {k: round(v["back_to_back_ms"], 4) for k, v in extra.items()}
-            out[f"{name}_host_ms"] = {k: round(v["host_ms"], 4) for k, v in extra.items()}
-            out[f"{name}_back_to_back_ratio"] = extra["dtensor"]["back_to_back_ms"] / extra["plain"]["back_to_back_ms"]
+            for key in ("back_to_back_ms", "host_ms"):
+                out[f"{name}_{key}"] = {k: round(statistics.median(v[key]), 4) for k, v in extra.items()}
+            out[f"{name}_back_to_back_ratio"] = paired_ratio(extra["dtensor"]["back_to_back_ms"],
+                                                             extra["plain"]["back_to_back_ms"])
     # the same FusedAdam steps on both kinds of parameters give bit-identical local values: all
     # grads present (the host's fast path), one grad None (the general path), then new grad tensors
     finals = []
