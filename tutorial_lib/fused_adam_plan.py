@@ -153,7 +153,8 @@ class Plan:
         self.local_objects = locs  # held: DTensor plans are stale when a shard OBJECT changes (see stale())
         # every local tensor owns its storage: data_ptr() alone identifies it (fast signature)
         self.storage_backed = all(type(t) in _PLAIN for t in locs)
-        self.signature = self.storage_signature()
+        # plain and mixed plans compare storage addresses per step; DTensor plans compare shard objects
+        self.signature = self.storage_signature() if self.kind != "dtensor" else None
         self.grad_dtypes = [t.dtype for t in locs]
         self.numels = [t.numel() for t in locs]
         devices = {t.device for t in locs}
