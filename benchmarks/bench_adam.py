@@ -37,7 +37,7 @@ import tutorial_kernels.adam as k  # first: sets TRITON_INTERPRET=1 on a CPU-onl
 
 from tutorial_lib.adam_reference import adam_bytes_per_element, adam_step_scalars_tensor
 from tutorial_lib.bench import bench_ms as _bench_ms
-from tutorial_lib.bench import case, copy_bandwidth_GBps, time_back_to_back, write_results
+from tutorial_lib.bench import benchmark_device, case, copy_bandwidth_GBps, time_back_to_back, write_results
 from tutorial_lib.fused_adam import FusedAdam
 from tutorial_lib.scaling import DelayedScaling, quantize_per_tensor
 
@@ -207,15 +207,13 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU/interpreter ok), results to a temp dir")
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = benchmark_device(args.quick)
     if args.quick:
         big, small, configs = _split(60_000, 6), _split(40_000, 20), [(4096, 4)]
         small_configs = configs
         REPS.update(warmup=1, rep=3)
         out = args.out or tempfile.mkdtemp(prefix="bench-adam-")
     else:
-        if device.type != "cuda":
-            raise SystemExit("the full benchmark needs a GPU; use --quick on a CPU")
         big, small, configs, small_configs = _split(805_000_000, 108), _split(98_000_000, 2000), CONFIGS, SMALL_CONFIGS
         out = args.out or "benchmarks/results"
     copy = copy_bandwidth_GBps(device)

@@ -338,10 +338,9 @@ def test_kernel_compiles_for_sm90_and_vectorises_when_aligned(compile_ptx):
 def test_host_to_device_copies_arrive_in_order():
     """FusedAdam's per-step scalars and grad addresses reach the device in stream order: the source
     is rewritten right after each copy, and every copy must still deliver its own values."""
-    h2d = k.HostToDevice()
     out = torch.empty(2, 5, device=DEV)
     seen = []
     for i in range(7):
-        h2d.copy(torch.full((2, 5), float(i)) + torch.arange(5.0), out)
+        k.copy_to_device(torch.full((2, 5), float(i)) + torch.arange(5.0), out)
         seen.append(out.clone())  # queued behind the copy on the same stream
     assert [x[1, 3].item() for x in seen] == [i + 3.0 for i in range(7)]

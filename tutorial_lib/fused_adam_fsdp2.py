@@ -250,7 +250,7 @@ def _time_pair(opts: dict, steps: int, device: torch.device, extra: dict | None 
     if device.type == "cuda":
         b2b = {name: [] for name in opts}
         for r in range(rounds):
-            for name in (list(opts) if r % 2 == 0 else list(opts)[::-1]):
+            for name in _in_turn(opts, r):
                 gc.collect()
                 _barrier()
                 ms[name].append(bench_ms(opts[name].step))
@@ -275,6 +275,12 @@ def paired_ratio(num: list[float], den: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(num, den))
 
 
+def _in_turn(names, r: int) -> list:
+    """The order of round ``r``: as given on even rounds, reversed on odd ones (neither variant always first)."""
+    names = list(names)
+    return names if r % 2 == 0 else names[::-1]
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -294,7 +300,7 @@ def time_new_grads(opts: dict, grad_sets: dict, rounds: int = 4, steps: int = 5)
             p.grad = g
         opt.step()
     for r in range(rounds):
-        for name in (list(opts) if r % 2 == 0 else list(opts)[::-1]):
+        for name in _in_turn(opts, r):
             opt = opts[name]
             gc.collect()
             _barrier()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor
-from tutorial_kernels.adam import AdamTables, HostToDevice, build_tables, raw_address, set_grads
+from tutorial_kernels.adam import AdamTables, build_tables, copy_to_device, raw_address, set_grads
 
 from tutorial_lib.adam_reference import adam_step_scalars, adam_step_scalars_tensor
 from tutorial_lib.quantized_tensor import is_quantized
@@ -125,7 +125,6 @@ class Bucket:
     quantizers: list = field(default_factory=list)  # fp8_fused
     pairs: list = field(default_factory=list)  # requantize: (local quantized tensor, master local)
     hyper: torch.Tensor | None = None  # fp32 [2, n] on the device: this step's scalars (rewritten in place)
-    h2d: HostToDevice = field(default_factory=HostToDevice)
 
 
 class Plan:
@@ -315,5 +314,5 @@ class Plan:
             return
         hyper = adam_step_scalars_tensor(self.steps, lr, beta1, beta2)
         for b in self.buckets:
-            b.h2d.copy(hyper if b.index is None else hyper[:, b.index], b.hyper)
+            copy_to_device(hyper if b.index is None else hyper[:, b.index], b.hyper)
         self.note_steps()
