@@ -12,7 +12,7 @@ setup:
 	@bash scripts/bootstrap.sh $(VENV)
 
 lessons: setup
-	$(PY) -m tutorial_lib.notebooks run $(LESSONS) $(ARGS)
+	$(PY) -m tutorial_lib.harness.notebooks run $(LESSONS) $(ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
@@ -21,7 +21,7 @@ test: lint
 	$(PY) -m pytest $(ARGS)
 
 strip: setup
-	$(PY) -m tutorial_lib.notebooks strip notebooks/*.ipynb
+	$(PY) -m tutorial_lib.harness.notebooks strip notebooks/*.ipynb
 
 clean:
 	rm -rf output .pytest_cache

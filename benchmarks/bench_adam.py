@@ -35,11 +35,11 @@ import tempfile
 import torch
 import tutorial_kernels.adam as k  # first: sets TRITON_INTERPRET=1 on a CPU-only machine
 
-from tutorial_lib.adam_reference import adam_bytes_per_element, adam_step_scalars_tensor
-from tutorial_lib.bench import bench_ms as _bench_ms
-from tutorial_lib.bench import benchmark_device, case, copy_bandwidth_GBps, time_back_to_back, write_results
-from tutorial_lib.fused_adam import FusedAdam
-from tutorial_lib.scaling import DelayedScaling, quantize_per_tensor
+from tutorial_lib.optim.adamw_reference import adam_bytes_per_element, adam_step_scalars_tensor
+from tutorial_lib.harness.bench import bench_ms as _bench_ms
+from tutorial_lib.harness.bench import benchmark_device, case, copy_bandwidth_GBps, time_back_to_back, write_results
+from tutorial_lib.optim.fused_adam import FusedAdam
+from tutorial_lib.quant.per_tensor import DelayedScaling, quantize_per_tensor
 
 CONFIGS = [(1024, 4), (2048, 8), (4096, 8)]  # (BLOCK, num_warps) swept for our kernels
 SMALL_CONFIGS = [(1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]  # the 2,000-tensor case

@@ -20,10 +20,10 @@ import tempfile
 
 import torch
 
-from tutorial_lib.adam_reference import adam_bytes_per_element
-from tutorial_lib.bench import case, copy_bandwidth_GBps, write_results
-from tutorial_lib.fused_adam_fsdp2 import dtensor_overhead
-from tutorial_lib.launcher import launch
+from tutorial_lib.optim.adamw_reference import adam_bytes_per_element
+from tutorial_lib.harness.bench import case, copy_bandwidth_GBps, write_results
+from tutorial_lib.lessons.triton_fused_adam import dtensor_overhead
+from tutorial_lib.dist.launcher import launch
 
 
 def main(argv=None) -> None:

@@ -1,7 +1,7 @@
 """Benchmark: per-tensor FP8 casts (Triton) vs torch eager and torch.compile of the SAME reference.
 
 Every case runs our kernel (``tutorial_kernels.fp8_cast``) and, as peers, the torch reference it
-is tested against (``tutorial_lib.scaling``: same function name) eagerly and under
+is tested against (``tutorial_lib.quant.per_tensor``: same function name) eagerly and under
 ``torch.compile``; the bytes are checked equal before timing. A device-to-device copy measured in
 the same run is the ceiling. ``bytes`` is the issue's minimum traffic, 2 B read + 1 B written per
 bf16 element; ``traffic_bytes`` is what the algorithm has to move:
@@ -28,8 +28,8 @@ import tempfile
 import torch
 import tutorial_kernels.fp8_cast as k  # first: sets TRITON_INTERPRET=1 on a CPU-only machine
 
-import tutorial_lib.scaling as ref
-from tutorial_lib.bench import (
+import tutorial_lib.quant.per_tensor as ref
+from tutorial_lib.harness.bench import (
     bench_ms,
     benchmark_device,
     case,

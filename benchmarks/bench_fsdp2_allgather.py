@@ -3,7 +3,7 @@
 The model is a BlockMLP of >= 1B parameters (default: 8 blocks of 4096 -> 16384 -> 4096, 1.07B,
 as in the torchao anchor of shared/FACTS.md), built with meta-device init and sharded per block.
 bf16 variant: every parameter bf16. FP8 variant: Linear weights per-tensor E4M3 (current scaling,
-amax all-reduced over the shard group) with the all-gather hooks of tutorial_lib.fsdp2_quantized;
+amax all-reduced over the shard group) with the all-gather hooks of tutorial_lib.dist.fsdp2;
 biases and norms bf16. Per variant, rank-max medians over a fixed number of steps:
 
     bytes                 all-gather input bytes of one forward+backward, counted at torch.distributed
@@ -28,9 +28,9 @@ import tempfile
 
 import torch
 
-from tutorial_lib.bench import case, copy_bandwidth_GBps, write_results
-from tutorial_lib.fsdp2_quantized import allgather_benchmark
-from tutorial_lib.launcher import launch
+from tutorial_lib.harness.bench import case, copy_bandwidth_GBps, write_results
+from tutorial_lib.dist.fsdp2 import allgather_benchmark
+from tutorial_lib.dist.launcher import launch
 
 
 def expected_bytes(weights: list, world_size: int, fp8: bool) -> int:

@@ -1,7 +1,7 @@
 """Benchmark: MXFP8 rowwise quantize/dequantize (Triton) vs torch eager and torch.compile of the SAME reference.
 
 Our kernels (``tutorial_kernels.mxfp8_quant``) and their peers -- the torch reference they are
-tested against (``tutorial_lib.mxfp8.quantize_mxfp8`` / ``dequantize_mxfp8``), eager and under
+tested against (``tutorial_lib.quant.mxfp8.quantize_mxfp8`` / ``dequantize_mxfp8``), eager and under
 ``torch.compile`` -- run on the same bf16 tensor; bytes are checked equal before timing. A
 device-to-device copy measured in the same run is the ceiling. Minimum traffic per element::
 
@@ -27,7 +27,7 @@ import tempfile
 import torch
 import tutorial_kernels.mxfp8_quant as k  # first: sets TRITON_INTERPRET=1 on a CPU-only machine
 
-from tutorial_lib.bench import (
+from tutorial_lib.harness.bench import (
     bench_ms,
     benchmark_device,
     case,
@@ -35,7 +35,7 @@ from tutorial_lib.bench import (
     eager_and_compiled_ms,
     write_results,
 )
-from tutorial_lib.mxfp8 import dequantize_mxfp8, quantize_mxfp8
+from tutorial_lib.quant.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 
 # (ROWS blocks of 32 per program, num_warps) swept on GPU; None = the kernel's autotuner.
 CONFIGS = [None, (32, 2), (64, 4), (128, 4), (128, 8), (256, 8), (512, 8)]

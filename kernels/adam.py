@@ -1,7 +1,7 @@
 """Fused AdamW in Triton: one tensor, then thousands of tensors in ONE launch.
 
-Reference: ``tutorial_lib.adam_reference`` (torch.optim.AdamW's op order). Lesson 07 builds these
-kernels step by step; ``tutorial_lib.fused_adam.FusedAdam`` is the optimizer that drives them.
+Reference: ``tutorial_lib.optim.adamw_reference`` (torch.optim.AdamW's op order). Lesson 07 builds these
+kernels step by step; ``tutorial_lib.optim.fused_adam.FusedAdam`` is the optimizer that drives them.
 
 Multi-tensor launch with pointer tables
 ---------------------------------------
@@ -52,7 +52,6 @@ import triton.language as tl
 from tutorial_kernels import interpreted
 from tutorial_kernels.fp8_round import encode_fp8, to_bf16
 
-from tutorial_lib.adam_reference import adam_step_scalars, adam_step_scalars_tensor
 
 ROW_NUMEL, ROW_WEIGHT, ROW_GRAD, ROW_EXP_AVG, ROW_EXP_AVG_SQ, ROW_OUT, ROW_SCALE_INV = range(7)
 N_ROWS = 7
@@ -70,6 +69,32 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 # copy). Promising each stream only 4 elements of alignment gives ONE layout: 16-byte fp32, 8-byte
 # bf16 and 4-byte (4 packed FP8 codes) accesses, each a fully coalesced 128-512 bytes per warp.
 _VEC = tl.constexpr(4)
+
+
+# --------------------------------------------------------------------------- host-side scalars
+
+
+def adam_step_scalars(step: float, lr: float, beta1: float, beta2: float) -> tuple[float, float]:
+    """``(step_size, bias_correction2_sqrt)`` for one step, in Python float64 as torch computes them."""
+    if step < 1:
+        raise ValueError(f"Adam bias corrections need step >= 1, got {step}")
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    return lr / bias_correction1, bias_correction2**0.5
+
+
+def adam_step_scalars_tensor(steps: torch.Tensor, lr: float, beta1: float, beta2: float) -> torch.Tensor:
+    """``adam_step_scalars`` for a vector of step counts: an fp32 ``[2, n]`` table on ``steps``' device.
+
+    Row 0 is ``step_size``, row 1 ``bias_correction2_sqrt``; computed in float64 and rounded once,
+    exactly like the Python scalars (tested). Steps below 1 (tensors not updated yet) are clamped
+    to 1 so the table stays finite; the kernel skips those tensors anyway.
+    """
+    s = steps.to(torch.float64).clamp_min(1.0)
+    bc1 = 1.0 - torch.pow(beta1, s)
+    bc2 = 1.0 - torch.pow(beta2, s)
+    return torch.stack([lr / bc1, bc2.sqrt()]).to(torch.float32)
+
 
 
 def default_block(max_numel: int | None = None) -> int:
@@ -231,7 +256,7 @@ def raw_address(t: torch.Tensor, what: str) -> int:
         raise TypeError(
             f"{what}: a {type(t).__name__} (nominal dtype {t.dtype}) has no storage of its own "
             "(data_ptr() == 0): it is a wrapper tensor subclass, and a raw-pointer kernel would read "
-            "address 0. Route it by the storage protocol (tutorial_lib.quantized_tensor.is_quantized, "
+            "address 0. Route it by the storage protocol (tutorial_lib.quant.tensor.is_quantized, "
             "raw_buffers(), quantizer) or pass its local tensor, never by its dtype."
         )
     if t.numel() and t.data_ptr() == 0:
@@ -399,7 +424,7 @@ def launch_adamw(
     """Run one multi-tensor AdamW step over ``tables``: ONE kernel launch.
 
     ``hyper`` is the fp32 ``[2, T]`` table of per-tensor ``step_size`` and ``bias_correction2_sqrt``
-    (``tutorial_lib.adam_reference.adam_step_scalars_tensor``) on the tables' device. FP8 tables
+    (:func:`adam_step_scalars_tensor`) on the tables' device. FP8 tables
     take ``scales`` (fp32 [T], the scale in force per tensor); ``tables.amax`` is reset here and
     holds max|new master| per tensor afterwards.
     """

@@ -1,7 +1,7 @@
 """Per-tensor FP8 casts in Triton: current scaling (with a fused amax), delayed scaling, dequantize.
 
 Same function names, signatures and results -- byte for byte -- as the torch reference in
-``tutorial_lib.scaling`` (``amax``, ``cast_current_scaling``, ``cast_delayed_scaling``,
+``tutorial_lib.quant.per_tensor`` (``amax``, ``cast_current_scaling``, ``cast_delayed_scaling``,
 ``dequantize_per_tensor``), so tests, lesson 01 and ``benchmarks/bench_fp8_cast.py`` compare
 the two directly. Rounding goes through ``tutorial_kernels.fp8_round`` (exact in the
 interpreter and compiled).
@@ -50,14 +50,7 @@ import triton.language as tl
 from tutorial_kernels import interpreted
 from tutorial_kernels.fp8_round import decode_fp8, encode_fp8, to_bf16
 
-from tutorial_lib.scaling import (
-    CastResult,
-    _check_scale_arg,
-    check_amax_eps,
-    check_dequantize_args,
-    check_input,
-    scale_from_amax,
-)
+from tutorial_kernels.fp8_args import CastResult, check_amax_eps, check_dequantize_args, check_input, check_scale_arg
 
 __all__ = ["amax", "cast_current_scaling", "cast_delayed_scaling", "dequantize_per_tensor", "default_block"]
 
@@ -103,7 +96,7 @@ def _store(ptr, base, idx, value, n, BLOCK: tl.constexpr):
 
 @triton.jit
 def _scale_from_amax(amax, amax_eps, FMT: tl.constexpr, POW2: tl.constexpr):
-    """Mirror of tutorial_lib.scaling.scale_from_amax (margin 0): fp32 scalar, NaN if amax is not finite."""
+    """Mirror of tutorial_lib.quant.per_tensor.scale_from_amax (margin 0): fp32 scalar, NaN if amax is not finite."""
     if FMT == "e4m3":
         fmax = 448.0
     else:
@@ -188,7 +181,7 @@ def _check_kernel_input(x: torch.Tensor, fmt: str) -> None:
     if not x.is_contiguous():
         raise ValueError(
             f"the Triton FP8 kernels need a contiguous tensor (got shape {tuple(x.shape)}, strides {x.stride()}); "
-            "call .contiguous() first or use the torch reference (tutorial_lib.scaling), which takes any layout"
+            "call .contiguous() first or use the torch reference (tutorial_lib.quant.per_tensor), which takes any layout"
         )
     if not (x.is_cuda or interpreted()):
         raise ValueError(f"Triton kernels run on CUDA tensors (or under TRITON_INTERPRET=1), got {x.device}")
@@ -225,7 +218,7 @@ def amax(x: torch.Tensor, *, block: int | None = None, num_warps: int | None = N
 def cast_current_scaling(x: torch.Tensor, fmt: str = "e4m3", *, pow2: bool = False, amax_eps: float = 1e-12,
                          reduce_amax=None, scale_guess: torch.Tensor | None = None, out: torch.Tensor | None = None,
                          block: int | None = None, num_warps: int | None = None) -> CastResult:
-    """Current scaling, bytes identical to ``tutorial_lib.scaling.cast_current_scaling``.
+    """Current scaling, bytes identical to ``tutorial_lib.quant.per_tensor.cast_current_scaling``.
 
     Without ``scale_guess``: amax kernel, then cast kernel (5 B/element for bf16). With an fp32
     ``scale_guess`` tensor: speculative one-pass cast plus a recast kernel that only touches
@@ -242,11 +235,12 @@ def cast_current_scaling(x: torch.Tensor, fmt: str = "e4m3", *, pow2: bool = Fal
     scale_inv = torch.empty((), dtype=torch.float32, device=dev)
     block, num_warps = _config(block, num_warps)
     grid = (triton.cdiv(n, block),)
-    if n == 0:  # nothing to launch; the same formula as the kernels on amax = 0
+    if n == 0:  # one program with nothing to load: it only writes the scale of amax = 0 (or the reduced amax)
         if reduce_amax is not None:
             reduce_amax(a)
-        scale = scale_from_amax(a, fmt, pow2=pow2, amax_eps=amax_eps)
-        return CastResult(data, scale, scale.reciprocal(), a)
+        _cast_kernel[(1,)](x, data, a, scale, scale_inv, n, amax_eps, FMT=fmt, POW2=pow2, BLOCK=block,
+                           num_warps=num_warps)
+        return CastResult(data, scale, scale_inv, a)
     if scale_guess is None:
         _amax_kernel[grid](x, bits, n, BLOCK=block, num_warps=num_warps)
         if reduce_amax is not None:
@@ -254,7 +248,7 @@ def cast_current_scaling(x: torch.Tensor, fmt: str = "e4m3", *, pow2: bool = Fal
         _cast_kernel[grid](x, data, a, scale, scale_inv, n, amax_eps, FMT=fmt, POW2=pow2, BLOCK=block,
                            num_warps=num_warps)
     else:
-        guess = _check_scale_arg(scale_guess, dev).contiguous()
+        guess = check_scale_arg(scale_guess, dev).contiguous()
         _cast_scaled_kernel[grid](x, data, guess, scale_inv, bits, n, FMT=fmt, WRITE_SCALE_INV=False,
                                   BLOCK=block, num_warps=num_warps)
         if reduce_amax is not None:
@@ -275,7 +269,7 @@ def cast_delayed_scaling(x: torch.Tensor, scale, fmt: str = "e4m3", *, out: torc
                          block: int | None = None, num_warps: int | None = None) -> CastResult:
     """Delayed scaling in one pass: cast with ``scale`` (fp32 tensor or positive float), record amax(x)."""
     _check_kernel_input(x, fmt)
-    s = _check_scale_arg(scale, x.device).contiguous()
+    s = check_scale_arg(scale, x.device).contiguous()
     data = _out_buffer(out, x)
     n = x.numel()
     bits = torch.zeros((), dtype=torch.int32, device=x.device)

@@ -16,7 +16,7 @@ So ``encode_fp8`` picks per backend (the constexpr ``INTERPRETED``, fixed at imp
   has a budget of only ~25 instructions per element, so it would make the kernel issue-bound.
 
 Both give the bytes of torch's ``x.clamp(-max, max).to(fp8)``; tests check each backend, and
-``tests/test_fp8_cast_kernels.py`` also runs ``round_to_fp8_grid`` compiled on GPUs.
+``tests/kernels/test_fp8_cast_kernels.py`` also runs ``round_to_fp8_grid`` compiled on GPUs.
 
 API (``FMT`` is the constexpr string ``"e4m3"`` or ``"e5m2"``)::
 

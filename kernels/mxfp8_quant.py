@@ -1,6 +1,6 @@
 """MXFP8 rowwise quantize (E4M3 elements, one E8M0 scale per 32) and dequantize, in Triton.
 
-Byte-for-byte the same results as the torch reference ``tutorial_lib.mxfp8.quantize_mxfp8`` /
+Byte-for-byte the same results as the torch reference ``tutorial_lib.quant.mxfp8.quantize_mxfp8`` /
 ``dequantize_mxfp8`` (same function contract), so tests, lesson 03 and
 ``benchmarks/bench_mxfp8_quant.py`` compare the two directly.
 
@@ -17,7 +17,7 @@ blocks, i.e. a [ROWS, 32] tile of the flattened input::
                       --> E4M3 bytes, scale byte e + 127 (255 for a block holding NaN/inf)
 
 Rounding: compiled on a GPU the fp32 -> E4M3 cast is a correct saturating RNE; in Triton's CPU
-interpreter it is not (shared/FACTS.md), so there we round onto the grid in fp32 first
+interpreter it is not (``tests/kernels/test_fp8_cast_kernels.py`` shows it), so there we round onto the grid in fp32 first
 (``tutorial_kernels.fp8_round.encode_fp8``), which makes the interpreter byte-exact too.
 
 Example::
@@ -35,10 +35,20 @@ import triton.language as tl
 from tutorial_kernels import interpreted
 from tutorial_kernels.fp8_round import decode_fp8, encode_fp8, round_to_bf16_grid
 
-from tutorial_lib.block_scaling import check_block_shape
-from tutorial_lib.mxfp8 import MX_BLOCK, SCALE_ROUNDINGS
+__all__ = ["MX_BLOCK", "SCALE_ROUNDINGS", "mxfp8_quantize", "mxfp8_dequantize"]
 
-__all__ = ["mxfp8_quantize", "mxfp8_dequantize"]
+MX_BLOCK = 32
+"""Elements per E8M0 scale (OCP MX v1.0); ``tutorial_lib.quant.mxfp8`` takes the block from here."""
+SCALE_ROUNDINGS = ("floor", "rceil")
+"""How a block's scale exponent is chosen from its amax (see ``tutorial_lib.quant.mxfp8``)."""
+
+
+def _check_last_dim(shape, what: str) -> None:
+    if len(shape) == 0:
+        raise ValueError(f"a 1x{MX_BLOCK} {what} block needs a tensor with at least 1 dim, got a 0-d tensor")
+    if shape[-1] % MX_BLOCK:
+        raise ValueError(f"last dim {shape[-1]} of shape {tuple(shape)} is not a multiple of the {MX_BLOCK}-element "
+                         f"{what} block (1x{MX_BLOCK}); pad the tensor or pick a block-aligned shape")
 
 _IN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -100,14 +110,14 @@ def mxfp8_quantize(x: torch.Tensor, *, rounding: str = "floor", rows: int | None
                    num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """Rowwise MXFP8 of a contiguous fp32/bf16/fp16 tensor: ``(data uint8, scale_e8m0 uint8)``.
 
-    Same contract and bytes as ``tutorial_lib.mxfp8.quantize_mxfp8(x, rounding=...)``.
+    Same contract and bytes as ``tutorial_lib.quant.mxfp8.quantize_mxfp8(x, rounding=...)``.
     ``rows``: blocks per program (a power of two); None autotunes on GPU.
     """
     if x.dtype not in _IN_DTYPES:
         raise TypeError(f"mxfp8_quantize takes {_IN_DTYPES}, got {x.dtype}")
     if rounding not in SCALE_ROUNDINGS:
         raise ValueError(f"rounding must be one of {SCALE_ROUNDINGS}, got {rounding!r}")
-    check_block_shape(x.shape, (MX_BLOCK,), what="MX")
+    _check_last_dim(x.shape, "MX")
     if not x.is_contiguous():
         raise ValueError("mxfp8_quantize needs a contiguous tensor (blocks are 32 consecutive elements)")
     data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
@@ -132,7 +142,7 @@ def mxfp8_dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
         raise TypeError(f"MXFP8 data and scale are uint8, got {data.dtype} and {scale.dtype}")
     if dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"mxfp8_dequantize produces float32 or bfloat16, got {dtype}")
-    check_block_shape(data.shape, (MX_BLOCK,), what="MX")
+    _check_last_dim(data.shape, "MX")
     if tuple(scale.shape) != (*data.shape[:-1], data.shape[-1] // MX_BLOCK):
         raise ValueError(f"scale shape {list(scale.shape)} does not match data shape {list(data.shape)}")
     if not (data.is_contiguous() and scale.is_contiguous()):

@@ -36,12 +36,12 @@ EXERCISED = {
     "make lessons": "test_make_lessons",
     "make test": "ci",
     ".venv/bin/jupyter lab notebooks/": "test_jupyter_lab_is_installed_with_the_kernel",
-    ".venv/bin/python -m tutorial_lib.notebooks run notebooks/00_start_here.ipynb --device cpu --world-size 2 --quick":
+    ".venv/bin/python -m tutorial_lib.harness.notebooks run notebooks/00_start_here.ipynb --device cpu --world-size 2 --quick":
         "test_run_one_lesson_cli",
     ".venv/bin/papermill notebooks/00_start_here.ipynb output/00.ipynb -k python3 -p device cpu -p world_size 2 "
     "-p quick True": "test_papermill_command",
     'make test ARGS="--nb-device cuda"': "test_gpu_commands",
-    ".venv/bin/python -m tutorial_lib.notebooks run --device cuda --world-size 2 --full": "test_gpu_commands",
+    ".venv/bin/python -m tutorial_lib.harness.notebooks run --device cuda --world-size 2 --full": "test_gpu_commands",
 }
 
 
@@ -116,15 +116,15 @@ def test_gpu_test_arguments_are_accepted():
     (that run is recorded in the README); here we check pytest accepts them and collects the lessons."""
     pytest_cmd = next(c for c in EXERCISED if "--nb-device cuda" in c)
     args = re.search(r'ARGS="([^"]+)"', pytest_cmd).group(1)
-    r = _run(f"{sys.executable} -m pytest {args} --collect-only -q tests/test_notebooks.py")
+    r = _run(f"{sys.executable} -m pytest {args} --collect-only -q tests/harness/test_notebooks.py")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "test_lesson_runs[00_start_here]" in r.stdout
 
 
 def test_benchmark_table_matches_recorded_results():
-    from tutorial_lib.bench import README_END, README_START, results_markdown
+    from tutorial_lib.harness.bench import README_END, README_START, results_markdown
 
     block = README.split(README_START, 1)[1].split(README_END, 1)[0].strip()
     assert block == results_markdown(ROOT / "benchmarks" / "results").strip(), (
-        "README's benchmark table is stale: run `python -m tutorial_lib.bench`"
+        "README's benchmark table is stale: run `python -m tutorial_lib.harness.bench`"
     )

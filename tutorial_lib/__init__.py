@@ -1,7 +1,7 @@
 """Low-precision training under PyTorch FSDP2: the tutorial's importable library.
 
 Modules are small and named after the concept they hold (``launcher``, ``formats``,
-``float8_tensor``, ...); import them directly, e.g. ``from tutorial_lib.launcher import launch``.
+``float8_tensor``, ...); import them directly, e.g. ``from tutorial_lib.dist.launcher import launch``.
 The Triton kernels live in the top-level ``kernels/`` folder, imported as ``tutorial_kernels``.
 """
 

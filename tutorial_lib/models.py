@@ -36,7 +36,7 @@ Example::
     start, stop = shard_rows(10, world_size=4, rank=3)        # (9, 10): FSDP2/DTensor Shard(0) rows
     w_rows = counter_uniform(0, "blocks.0.fc1.weight", (256, 64), rows=(0, 128), low=-0.125, high=0.125)
 
-The quantized path (``tutorial_lib.quantized_init``) uses :func:`counter_uniform` and
+The quantized path (``tutorial_lib.dist.quantized_init``) uses :func:`counter_uniform` and
 :func:`init_range` to generate each rank's rows in fp32 and quantize them, one parameter at a time.
 """
 
@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tutorial_lib.quantized_tensor import QuantizedTensor, is_quantized, local_tensor
+from tutorial_lib.quant.tensor import QuantizedTensor, is_quantized, local_tensor
 
 __all__ = [
     "BlockMLP",
@@ -220,7 +220,7 @@ def fill_param_(module: nn.Module, param_name: str, fqn: str, seed: int) -> None
     if local.is_meta:
         raise RuntimeError(f"{fqn} is on the meta device: materialise it first (module.to_empty(device=...))")
     if isinstance(local, QuantizedTensor):
-        raise TypeError(f"{fqn} is quantized: initialise it with tutorial_lib.quantized_init.materialize_sharded_")
+        raise TypeError(f"{fqn} is quantized: initialise it with tutorial_lib.dist.quantized_init.materialize_sharded_")
     low, high = init_range(module, param_name)
     if local.is_contiguous():  # stream straight into the shard: no full-size temporary
         counter_uniform(seed, fqn, p.shape, rows=local_rows(p), low=low, high=high, out=local)

@@ -1,0 +1,462 @@
+"""DCP pitfalls with quantized tensors, in one process: each reproduced on a broken variant, then fixed.
+
+Every pitfall has a *contract* test parametrised over ``broken`` and ``fixed``: the broken variant
+is marked ``xfail(strict=True)``, so the suite fails if the pitfall ever stops reproducing, and the
+same assertions must pass on the fix. The other tests pin down what users see (exact messages).
+
+The broken variants are built HERE by subclassing (the real classes are never edited):
+``_PlainNewEmptyFloat8`` (async staging), ``_PickledExtraStateLinear`` (size-varying extra state).
+Distributed round trips (FSDP2, resharding, export) are in ``test_checkpoint_dist.py``.
+"""
+
+import contextlib
+import os
+import pickle
+import shutil
+import tempfile
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tutorial_lib.dist.checkpoint import (
+    CheckpointDir,
+    CheckpointExistsError,
+    NonFiniteCheckpointError,
+    RequantizeOnLoadError,
+    checkpoint_dir,
+    default_safe_globals_only,
+    load_checkpoint,
+    mismatched_keys,
+    nonfinite_keys,
+    save_checkpoint,
+    uninitialized_memory_as_nan,
+)
+from tutorial_lib.dist.extra_state import (
+    QuantizerExtraStateMixin,
+    QuantizerStates,
+    decode_quantizer_state,
+    encode_quantizer_state,
+)
+from tutorial_lib.quant.float8 import Float8Tensor
+from tutorial_lib.quant.tensor import register_safe_globals
+from tutorial_lib.quant.per_tensor import CurrentScaling, DelayedScaling
+
+aten = torch.ops.aten
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def broken(value, raises=AssertionError):
+    """The pitfall: this variant MUST fail the contract (strict xfail)."""
+    return pytest.param(value, id="broken", marks=pytest.mark.xfail(strict=True, raises=raises,
+                                                                    reason="broken variant reproduces the pitfall"))
+
+
+def fixed(value):
+    return pytest.param(value, id="fixed")
+
+
+# ----------------------------------------------------------------------------- broken variants (test-only)
+
+
+class _PlainNewEmptyFloat8(Float8Tensor):
+    """BROKEN on purpose: ``new_empty`` returns a plain tensor, as a subclass without that handler would."""
+
+
+@_PlainNewEmptyFloat8.implements(aten.new_empty.default)
+def _plain_new_empty(func, args, kwargs):
+    t, size = args[0], args[1]
+    return torch.empty(size, dtype=kwargs.get("dtype") or t.dtype, device=kwargs.get("device") or t.device)
+
+
+def _randn(shape, seed, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _live(cls=Float8Tensor, seed=0):
+    """A small 'model state': two FP8 weights (current scaling) and a plain bias."""
+    return {
+        "fc1.weight": cls.from_high_precision(_randn((16, 8), seed), scale=32.0, quantizer=CurrentScaling("e4m3")),
+        "fc2.weight": cls.from_high_precision(_randn((8, 16), seed + 1), scale=16.0, quantizer=CurrentScaling("e4m3")),
+        "fc2.bias": _randn((8,), seed + 2, torch.float32),
+    }
+
+
+def _fresh_like(live, cls=Float8Tensor):
+    """Targets of a freshly built model: same classes and shapes, different bytes AND scales."""
+    return {k: cls.from_high_precision(torch.zeros(v.shape, dtype=v.dtype), scale=1.0) if isinstance(v, Float8Tensor)
+            else torch.zeros_like(v) for k, v in live.items()}
+
+
+def _plain_targets(live):
+    return {k: torch.zeros(v.shape, dtype=torch.float32) for k, v in live.items()}
+
+
+def _dcp_load_as_is(state, path):
+    """Plain ``dcp.load``, registering nothing: what a new job does before it knows about this pitfall."""
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state
+
+
+def _plain_dcp_load(state, path):
+    """Plain ``dcp.load`` with the safe globals registered: loads anything, checks nothing."""
+    register_safe_globals()
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state
+
+
+# ----------------------------------------------------------------------------- pitfall: async staging
+
+
+@pytest.mark.parametrize("cls", [broken(_PlainNewEmptyFloat8), fixed(Float8Tensor)])
+def test_contract_async_checkpoint_holds_the_live_values(cls):
+    """What an eval job reading the async checkpoint into fp32 gets must be the live values."""
+    live = _live(cls)
+    with checkpoint_dir() as root, uninitialized_memory_as_nan():
+        path = os.path.join(root, "async")
+        save_checkpoint(live, path, mode="async").result()
+        register_safe_globals()
+        plain = _plain_targets(live)
+        dcp.load(plain, checkpoint_id=path, no_dist=True)
+    for key, value in live.items():
+        expected = value.dequantize(torch.float32) if isinstance(value, Float8Tensor) else value
+        assert torch.equal(plain[key], expected), key
+
+
+def test_async_save_of_a_plain_new_empty_subclass_writes_uninitialised_memory():
+    live = _live(_PlainNewEmptyFloat8)
+    with checkpoint_dir() as root, uninitialized_memory_as_nan():
+        save_checkpoint(live, os.path.join(root, "async"), mode="async").result()
+        save_checkpoint(live, os.path.join(root, "sync"))
+        register_safe_globals()
+        plain = _plain_targets(live)
+        dcp.load(plain, checkpoint_id=os.path.join(root, "async"), no_dist=True)  # what users do: no error
+        # the staged wrapper had no storage to copy: the file holds whatever torch.empty returned (NaN here)
+        assert torch.isnan(plain["fc1.weight"]).all() and torch.isnan(plain["fc2.weight"]).all()
+        assert torch.equal(plain["fc2.bias"], live["fc2.bias"])  # plain tensors are staged correctly
+        # the sync path never stages: correct even for the broken class
+        sync = _plain_targets(live)
+        dcp.load(sync, checkpoint_id=os.path.join(root, "sync"), no_dist=True)
+        assert torch.equal(sync["fc1.weight"], live["fc1.weight"].dequantize(torch.float32))
+        # our loader refuses the broken checkpoint deterministically (the chunk is no longer quantized) ...
+        with pytest.raises(RequantizeOnLoadError, match="'fc1.weight': the checkpoint does not hold"):
+            load_checkpoint(_fresh_like(live), os.path.join(root, "async"))
+        # ... and names the cause when the model itself uses the broken class
+        with pytest.raises(TypeError, match="_PlainNewEmptyFloat8.new_empty returned a Tensor"):
+            load_checkpoint(_fresh_like(live, _PlainNewEmptyFloat8), os.path.join(root, "sync"))
+
+
+def test_async_save_equals_sync_equals_live_for_the_real_subclass():
+    live = _live(Float8Tensor)
+    with checkpoint_dir() as root:
+        save_checkpoint(live, os.path.join(root, "async"), mode="async").result()
+        save_checkpoint(live, os.path.join(root, "sync"))
+        loaded = {}
+        for mode in ("async", "sync"):
+            loaded[mode] = load_checkpoint(_fresh_like(live), os.path.join(root, mode))
+            assert mismatched_keys(loaded[mode], live) == []  # bytes, scale_inv, fmt and the bias: bit-exact
+        assert mismatched_keys(loaded["async"], loaded["sync"]) == []
+        assert type(loaded["async"]["fc1.weight"]) is Float8Tensor
+        assert loaded["async"]["fc1.weight"].scale_inv.item() == 1 / 32  # the checkpoint's scale, not the target's
+
+
+@pytest.mark.parametrize("loader", [broken(_dcp_load_as_is, raises=pytest.fail.Exception), fixed(load_checkpoint)])
+def test_contract_a_dequantized_checkpoint_is_not_silently_requantized(loader):
+    """A checkpoint staged by the blocking stager holds bf16 values; loading it must not pass as a restore."""
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+    register_safe_globals()
+    live = _live(Float8Tensor)
+    with checkpoint_dir() as root:
+        path = os.path.join(root, "blocking")
+        dcp.async_save(live, checkpoint_id=path, no_dist=True, async_stager=BlockingAsyncStager()).result()
+        with pytest.raises(RequantizeOnLoadError):
+            loader(_fresh_like(live), path)
+
+
+def test_blocking_stager_dequantizes_and_the_loader_refuses_to_requantize():
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+    live = _live(Float8Tensor)
+    with checkpoint_dir() as root:
+        path = os.path.join(root, "blocking")
+        dcp.async_save(live, checkpoint_id=path, no_dist=True, async_stager=BlockingAsyncStager()).result()
+        with pytest.raises(RequantizeOnLoadError, match="would REQUANTIZE"):
+            load_checkpoint(_fresh_like(live), path)
+        out = load_checkpoint(_fresh_like(live), path, requantize="allow")  # explicit opt-in works
+        assert out["fc1.weight"].dequantize().shape == (16, 8)
+
+
+# ----------------------------------------------------------------------------- pitfall: NaN / Inf after load
+
+
+@pytest.mark.parametrize("loader", [broken(_plain_dcp_load, raises=pytest.fail.Exception), fixed(load_checkpoint)])
+def test_contract_a_poisoned_checkpoint_is_refused_naming_the_keys(loader):
+    live = _live(_PlainNewEmptyFloat8)
+    with checkpoint_dir() as root, uninitialized_memory_as_nan():
+        path = os.path.join(root, "async")
+        save_checkpoint(live, path, mode="async").result()
+        with pytest.raises(NonFiniteCheckpointError) as info:
+            loader(_plain_targets(live), path)
+    assert set(info.value.keys) == {"fc1.weight", "fc2.weight"}
+
+
+def test_nan_check_names_the_keys_the_broken_async_path_poisoned():
+    live = _live(_PlainNewEmptyFloat8)
+    with checkpoint_dir() as root, uninitialized_memory_as_nan():
+        path = os.path.join(root, "async")
+        save_checkpoint(live, path, mode="async").result()
+        with pytest.raises(NonFiniteCheckpointError) as info:
+            load_checkpoint(_plain_targets(live), path)
+    assert set(info.value.keys) == {"fc1.weight", "fc2.weight"}  # the bias is fine and not named
+    assert "fc1.weight: 128 NaN, 0 Inf of 128 values" in str(info.value)
+
+
+def test_nan_check_covers_nested_state_quantized_scales_and_plain_tensors():
+    q = Float8Tensor.from_high_precision(_randn((4, 4), 3), scale=8.0)
+    bad_scale = Float8Tensor.from_buffers({"data": q.raw_buffers()["data"].clone(),
+                                           "scale_inv": torch.tensor(float("nan"))}, {"fmt": "e4m3"}, (4, 4),
+                                          torch.bfloat16)
+    moment = torch.ones(5)
+    moment[2] = float("inf")
+    state = {"model": {"a": q, "b": bad_scale}, "optim": {"state": {"0": {"exp_avg_sq": moment}}}, "step": 3}
+    report = nonfinite_keys(state)
+    assert set(report) == {"model.b", "optim.state.0.exp_avg_sq"}
+    assert "scale_inv non-finite" in report["model.b"] and report["optim.state.0.exp_avg_sq"].startswith("0 NaN, 1 Inf")
+    with checkpoint_dir() as root:
+        save_checkpoint(state, os.path.join(root, "c"))
+        target = {"model": {"a": q.clone(), "b": q.clone()}, "optim": {"state": {"0": {"exp_avg_sq": torch.ones(5)}}},
+                  "step": 0}
+        with pytest.raises(NonFiniteCheckpointError, match="2 key"):
+            load_checkpoint(target, os.path.join(root, "c"))
+        assert load_checkpoint(target, os.path.join(root, "c"), check_finite=False) is target  # opt-out exists
+
+
+# ----------------------------------------------------------------------------- pitfall: weights_only loading
+
+
+@pytest.mark.parametrize("loader", [broken(_dcp_load_as_is, raises=CheckpointException), fixed(load_checkpoint)])
+def test_contract_a_fresh_process_can_load_a_quantized_checkpoint(loader):
+    """'Fresh process' = torch's default safe globals only (what every new training job starts with)."""
+    live = _live(Float8Tensor)
+    with checkpoint_dir() as root:
+        path = os.path.join(root, "c")
+        save_checkpoint(live, path)
+        with default_safe_globals_only():
+            out = loader(_fresh_like(live), path)
+    assert mismatched_keys(out, live) == []
+
+
+def test_dcp_reads_chunks_weights_only_so_the_subclass_needs_safe_globals():
+    live = _live(Float8Tensor)
+    with checkpoint_dir() as root:
+        path = os.path.join(root, "c")
+        save_checkpoint(live, path)
+        with default_safe_globals_only():
+            with pytest.raises(CheckpointException, match="_rebuild_quantized was not an allowed global"):
+                dcp.load(_fresh_like(live), checkpoint_id=path, no_dist=True)
+            out = load_checkpoint(_fresh_like(live), path)  # registers the safe globals itself
+    assert mismatched_keys(out, live) == []
+
+
+def test_checkpoint_chunks_carry_no_quantizer_and_no_extra_attributes():
+    """The quantizer (and e.g. a high-precision init copy) never lands in the file: only bytes, scale, fmt."""
+    live = _live(Float8Tensor)
+    live["fc1.weight"]._hp_init_value = torch.randn(16, 8)  # what quantized init may leave on a shard
+    with checkpoint_dir() as root:
+        path = os.path.join(root, "c")
+        save_checkpoint(live, path)
+        files = [f for f in os.listdir(path) if f.endswith(".distcp")]
+        blob = b"".join(open(os.path.join(path, f), "rb").read() for f in files)
+    assert b"CurrentScaling" not in blob and b"_hp_init_value" not in blob
+    assert b"Float8Tensor" in blob
+
+
+# ----------------------------------------------------------------------------- pitfall: _extra_state size
+
+
+def _delayed_weight(seed: int, steps: int) -> nn.Parameter:
+    q = DelayedScaling("e4m3", history_len=4)
+    for i in range(steps):  # "training": each cast records an amax and moves the scale
+        q.quantize(_randn((8, 8), seed + i) * (i + 1))
+    w = Float8Tensor.from_high_precision(_randn((8, 8), seed), scale=q.scale, quantizer=q)  # records nothing
+    return nn.Parameter(w, requires_grad=False)
+
+
+class _FixedExtraStateLinear(QuantizerExtraStateMixin, nn.Module):
+    """The fix: quantizer state as fixed-size tensors (tutorial_lib.dist.extra_state)."""
+
+    def __init__(self, steps: int = 0, seed: int = 0):
+        super().__init__()
+        self.weight = _delayed_weight(seed, steps)
+
+
+class _PickledExtraStateLinear(_FixedExtraStateLinear):
+    """BROKEN on purpose (TransformerEngine style): extra state = pickled bytes, empty before the first cast."""
+
+    def get_extra_state(self):
+        q = self.weight.quantizer
+        if q.steps == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        state = {"amax_history": q.amax_history.tolist(), "scale": float(q.scale), "steps": q.steps}
+        return torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        if state.numel():
+            s = pickle.loads(state.numpy().tobytes())
+            q = self.weight.quantizer
+            q.amax_history.copy_(torch.tensor(s["amax_history"]))
+            q.scale = torch.tensor(s["scale"])
+            q.steps = s["steps"]
+
+
+@pytest.mark.parametrize("cls", [broken(_PickledExtraStateLinear, raises=CheckpointException),
+                                 fixed(_FixedExtraStateLinear)])
+def test_contract_a_fresh_model_loads_the_trained_quantizer_state(cls):
+    trained = cls(steps=3)
+    with checkpoint_dir() as root:
+        path = os.path.join(root, "c")
+        save_checkpoint(trained.state_dict(), path)
+        fresh = cls(steps=0, seed=1)
+        fresh.load_state_dict(load_checkpoint(fresh.state_dict(), path))
+    q, fq = trained.weight.quantizer, fresh.weight.quantizer
+    assert torch.equal(fq.amax_history, q.amax_history) and torch.equal(fq.scale, q.scale) and fq.steps == q.steps
+
+
+def test_pickled_extra_state_breaks_loading_into_a_fresh_model():
+    trained = _PickledExtraStateLinear(steps=3)
+    with checkpoint_dir() as root:
+        path = os.path.join(root, "c")
+        save_checkpoint(trained.state_dict(), path)
+        fresh = _PickledExtraStateLinear(steps=0, seed=1)
+        with pytest.raises(CheckpointException, match=r"Size mismatch between saved torch.Size\(\[\d+\]\) and "
+                                                      r"current: torch.Size\(\[0\]\) for _extra_state"):
+            load_checkpoint(fresh.state_dict(), path)
+
+
+def test_fixed_size_extra_state_loads_into_a_fresh_model_exactly():
+    trained = _FixedExtraStateLinear(steps=3)
+    q = trained.weight.quantizer
+    with checkpoint_dir() as root:
+        path = os.path.join(root, "c")
+        save_checkpoint(trained.state_dict(), path)
+        fresh = _FixedExtraStateLinear(steps=0, seed=1)
+        assert fresh.get_extra_state()["weight"].shape == trained.get_extra_state()["weight"].shape
+        sd = load_checkpoint(fresh.state_dict(), path)
+        fresh.load_state_dict(sd)  # set_extra_state decodes the loaded vectors into the quantizer
+    fq = fresh.weight.quantizer
+    assert torch.equal(fq.amax_history, q.amax_history) and torch.equal(fq.scale, q.scale) and fq.steps == q.steps == 3
+    assert mismatched_keys({"w": fresh.weight.detach()}, {"w": trained.weight.detach()}) == []
+    # and the restored quantizer behaves identically from here on
+    x = _randn((8, 8), 99)
+    assert torch.equal(fq.quantize(x).raw_buffers()["data"], q.quantize(x).raw_buffers()["data"])
+
+
+def test_quantizer_states_stateful_and_codec_errors():
+    trained, fresh = _FixedExtraStateLinear(steps=2), _FixedExtraStateLinear(steps=0, seed=5)
+    with checkpoint_dir() as root:
+        save_checkpoint({"quantizers": QuantizerStates(trained)}, os.path.join(root, "c"))
+        load_checkpoint({"quantizers": QuantizerStates(fresh)}, os.path.join(root, "c"))
+    assert torch.equal(fresh.weight.quantizer.amax_history, trained.weight.quantizer.amax_history)
+    assert encode_quantizer_state(CurrentScaling()).tolist() == [1.0]
+    assert encode_quantizer_state(None).tolist() == [0.0]
+    with pytest.raises(ValueError, match="different quantizer or history_len"):
+        decode_quantizer_state(DelayedScaling(history_len=8), encode_quantizer_state(DelayedScaling(history_len=4)))
+
+    class Odd:
+        def __init__(self):
+            self.table = torch.zeros(3)
+
+    with pytest.raises(TypeError, match=r"holds tensor state \['table'\]"):
+        encode_quantizer_state(Odd())
+
+
+# ----------------------------------------------------------------------------- pitfall: checkpoint dir hygiene
+
+
+@contextlib.contextmanager
+def _naive_dir():
+    """BROKEN pattern: mkdtemp, and rmtree at the end of the happy path only."""
+    d = tempfile.mkdtemp(prefix="tutorial-naive-")
+    yield d
+    shutil.rmtree(d)
+
+
+@pytest.mark.parametrize("make_dir", [broken(_naive_dir), fixed(checkpoint_dir)])
+def test_contract_no_directory_is_left_after_a_failed_run(make_dir):
+    seen = []
+    with pytest.raises(RuntimeError, match="a step failed"), make_dir() as d:
+        seen.append(d)
+        save_checkpoint(_live(), os.path.join(d, "c"))
+        raise RuntimeError("a step failed")
+    leftover = os.path.exists(seen[0])
+    shutil.rmtree(seen[0], ignore_errors=True)  # the test itself leaves nothing either way
+    assert not leftover, f"{seen[0]} was left behind"
+
+
+def _dcp_save_as_is(state, path):
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+
+
+@pytest.mark.parametrize("save", [broken(_dcp_save_as_is, raises=pytest.fail.Exception), fixed(save_checkpoint)])
+def test_contract_a_used_checkpoint_path_is_never_written_twice(save):
+    with checkpoint_dir() as root:
+        path = os.path.join(root, "c")
+        save_checkpoint(_live(seed=0), path)
+        with pytest.raises(CheckpointExistsError, match="already holds a checkpoint"):
+            save(_live(seed=1), path)
+
+
+def test_checkpoint_dir_is_unique_and_removed_on_success_and_on_failure():
+    with checkpoint_dir() as a, checkpoint_dir() as b:
+        assert a != b and os.path.isdir(a)
+        save_checkpoint(_live(), os.path.join(a, "c"))
+    assert not os.path.exists(a) and not os.path.exists(b)
+    with pytest.raises(RuntimeError, match="boom"), checkpoint_dir() as c:
+        save_checkpoint(_live(), os.path.join(c, "c"))
+        raise RuntimeError("boom")
+    assert not os.path.exists(c)
+
+
+def test_checkpoint_dir_object_waits_for_async_saves_and_is_removed_when_dropped():
+    d = CheckpointDir()
+    d.track(save_checkpoint(_live(), os.path.join(d.path, "c"), mode="async"))
+    d.cleanup()  # waits for the writer first: nothing is recreated after the removal
+    assert d.removed and not os.path.exists(os.path.join(d.path, "c"))
+    path = CheckpointDir().path  # never cleaned up explicitly: the finalizer runs when it is dropped
+    import gc
+
+    gc.collect()
+    assert not os.path.exists(path)
+    kept = CheckpointDir(keep=True)
+    kept.cleanup()
+    assert os.path.isdir(kept.path)
+    shutil.rmtree(kept.path)
+
+
+def test_loading_a_missing_checkpoint_names_the_path():
+    with checkpoint_dir() as root:
+        with pytest.raises(FileNotFoundError, match="no DCP checkpoint"):
+            load_checkpoint(_fresh_like(_live()), os.path.join(root, "missing"))
+
+
+def test_nan_check_looks_inside_dcp_statefuls():
+    class Holder:  # a DCP Stateful: DCP calls state_dict() for the targets and load_state_dict() afterwards
+        def __init__(self, value):
+            self.x = value
+
+        def state_dict(self):
+            return {"x": self.x}
+
+        def load_state_dict(self, sd):
+            self.x.copy_(sd["x"])
+
+    with checkpoint_dir() as root:
+        save_checkpoint({"app": Holder(torch.tensor([1.0, float("nan")]))}, os.path.join(root, "c"))
+        target = Holder(torch.zeros(2))
+        with pytest.raises(NonFiniteCheckpointError) as info:
+            load_checkpoint({"app": target}, os.path.join(root, "c"))
+    assert list(info.value.keys) == ["app.x"] and torch.isnan(target.x[1])

@@ -1,0 +1,176 @@
+"""The launcher's contract: results back in rank order, failures surface fast, nothing left behind."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+import torch
+
+from tutorial_lib.lessons import start_here
+from tutorial_lib.dist.launcher import LaunchTimeout, RankFailed, launch, rank_device
+
+pytestmark = pytest.mark.distributed
+
+
+def _gone(pids, within=10.0):
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_results_in_rank_order_with_collective():
+    out = launch(demos.allreduce_demo, world_size=2, device="cpu", args=(5,), timeout=120)
+    expected = torch.arange(5, dtype=torch.float32) * 3
+    assert [r["rank"] for r in out] == [0, 1]
+    for r in out:
+        assert r["backend"] == "gloo"
+        assert torch.equal(r["received"], expected)
+    assert torch.equal(out[1]["sent"], torch.arange(5, dtype=torch.float32) * 2)
+
+
+def test_world_size_three():
+    out = launch(demos.allreduce_demo, world_size=3, device="cpu", args=(4,), timeout=120)
+    assert all(torch.equal(r["received"], torch.arange(4, dtype=torch.float32) * 6) for r in out)
+
+
+def test_rank_output_prefixed(capsys):
+    launch(demos.allreduce_demo, world_size=2, device="cpu", args=(4,), timeout=120)
+    text = capsys.readouterr().out
+    assert "[rank 0] sent [0.0, 1.0, 2.0, 3.0]" in text
+    assert "[rank 1] sent [0.0, 2.0, 4.0, 6.0]" in text
+
+
+def test_raising_rank_traceback_reaches_caller():
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        launch(demos.fail_on_rank, world_size=2, device="cpu", args=(1, "boom-xyz"), timeout=120,
+               collective_timeout=30, echo=False)
+    assert info.value.rank == 1
+    msg = str(info.value)
+    assert "ValueError: boom-xyz on rank 1" in msg and "demos.py" in msg and "Traceback" in msg
+    assert time.monotonic() - start < 25, "a raising rank must fail the launch promptly, not at the timeout"
+
+
+def test_killed_rank_fails_fast_and_names_signal():
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as info:
+        launch(demos.die_on_rank, world_size=2, device="cpu", args=(0,), timeout=120,
+               collective_timeout=60, echo=False)
+    assert info.value.rank == 0
+    assert "SIGKILL" in str(info.value)
+    assert time.monotonic() - start < 30
+
+
+def test_hanging_rank_times_out_and_every_child_is_reaped(tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout, match="timed out after 6 s"):
+        launch(demos.report_pid_then_hang, world_size=2, device="cpu", args=(str(pid_dir),), timeout=6, echo=False)
+    elapsed = time.monotonic() - start
+    assert elapsed < 6 + 15, f"timeout of 6 s took {elapsed:.1f} s"
+    pids = [int(p.read_text()) for p in pid_dir.iterdir()]
+    assert len(pids) == 2, "both ranks should have started"
+    assert _gone(pids), f"ranks {pids} survived the timeout"
+    leftovers = [
+        c for c in psutil.Process().children(recursive=True)
+        # multiprocessing's resource tracker is one per caller process, started by the first spawn
+        if "resource_tracker" not in " ".join(c.cmdline()) and c.status() != psutil.STATUS_ZOMBIE
+    ]
+    assert not leftovers, f"the caller still has child processes: {leftovers}"
+
+
+def test_function_must_be_importable():
+    def local_fn():
+        return 1
+
+    with pytest.raises(ValueError, match="importable module"):
+        launch(local_fn, world_size=1, device="cpu")
+
+
+def test_too_many_ranks_for_gpus():
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count() + 1
+        with pytest.raises(ValueError, match=f"world_size {n} needs one GPU per rank"):
+            launch(demos.allreduce_demo, world_size=n, device="cuda")
+    else:
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            launch(demos.allreduce_demo, world_size=2, device="cuda")
+
+
+def test_rank_device_outside_launch():
+    with pytest.raises(RuntimeError, match="only available inside"):
+        rank_device()
+
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from tutorial_lib.dist.launcher import launch, RankFailed
+    from tutorial_lib.lessons import start_here
+    def main():
+        ok = launch(demos.rank_identity, world_size=2, device="cpu", timeout=120, echo=False)
+        try:
+            launch(demos.fail_on_rank, world_size=2, device="cpu", args=(0,), timeout=120, echo=False)
+        except RankFailed:
+            pass
+        print("RESULT " + json.dumps(ok))
+    if __name__ == "__main__":
+        main()
+    """
+)
+
+
+def test_concurrent_launches_are_isolated_and_leave_no_temp_files(tmp_path):
+    script = tmp_path / "launch_twice.py"
+    script.write_text(_SCRIPT)
+    procs, tmpdirs = [], []
+    for i in range(2):
+        d = tmp_path / f"tmp{i}"
+        d.mkdir()
+        tmpdirs.append(d)
+        env = dict(os.environ, TMPDIR=str(d))
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+    import json
+
+    results = [json.loads(next(line for line in o.splitlines() if line.startswith("RESULT "))[7:]) for o in outs]
+    ports = {r["port"] for res in results for r in res}
+    assert len(ports) == 2, f"the two launches must use different rendezvous ports, got {ports}"
+    rank_tmps = {r["tmpdir"] for res in results for r in res}
+    assert len(rank_tmps) == 4, "each rank of each launch gets its own temp dir"
+    for d in tmpdirs:
+        assert list(d.iterdir()) == [], f"launch left files behind in TMPDIR: {list(d.iterdir())}"
+
+
+def test_a_failed_rendezvous_is_retried_once_with_a_fresh_port(tmp_path, monkeypatch, capsys):
+    marker = tmp_path / "fault"
+    monkeypatch.setenv("TUTORIAL_LAUNCH_FAULT", str(marker))
+    out = launch(demos.rank_identity, world_size=2, device="cpu", timeout=120)
+    assert marker.exists(), "the first attempt's rank 1 failed its rendezvous"
+    assert [r["rank"] for r in out] == [0, 1]
+    assert "rendezvous failed before rank_identity ran" in capsys.readouterr().out
+
+
+def test_a_failure_inside_user_code_is_never_retried(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUTORIAL_LAUNCH_FAULT", str(tmp_path / "unused"))
+    (tmp_path / "unused").touch()  # fault already spent: only the user-code failure remains
+    with pytest.raises(RankFailed, match="boom-once"):
+        launch(demos.fail_on_rank, world_size=2, device="cpu", args=(1, "boom-once"), timeout=120, echo=False)
+
+
+def test_cpu_ranks_share_the_cores(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    out = launch(demos.rank_identity, world_size=2, device="cpu", timeout=120, echo=False)
+    assert [r["threads"] for r in out] == [max(1, (os.cpu_count() or 1) // 2)] * 2

@@ -1,0 +1,42 @@
+"""Every benchmark script runs end to end in its ``--quick`` mode (tiny sizes; on a CPU the Triton
+interpreter, gloo ranks where it needs 2) and writes a results file with the documented schema.
+
+The numbers of a quick run mean nothing; what this guards is that the scripts a GPU run depends on
+still import, run and record (a broken import found on the GPU machine costs device time).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tutorial_lib.harness.notebooks import REPO_ROOT
+
+SCRIPTS = sorted(p.name for p in (REPO_ROOT / "benchmarks").glob("bench_*.py"))
+CASE_KEYS = {"name", "ours_ms", "peers", "bytes", "fraction_of_copy"}
+
+
+def test_every_benchmark_is_covered():
+    assert {"bench_adam.py", "bench_adam_fsdp2.py", "bench_fp8_cast.py", "bench_mxfp8_quant.py",
+            "bench_fsdp2_allgather.py"} <= set(SCRIPTS)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_quick_run_writes_a_results_file(script, tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / script), "--quick", "--out", str(tmp_path)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    files = list(Path(tmp_path).glob("*.json"))
+    assert len(files) == 1, files
+    doc = json.loads(files[0].read_text())
+    assert {"machine", "torch", "triton", "date", "copy_GBps", "cases"} <= set(doc)
+    assert doc["copy_GBps"] > 0 and doc["cases"]
+    for case in doc["cases"]:
+        assert CASE_KEYS <= set(case), case.keys()
+        assert case["ours_ms"] > 0 and case["bytes"] > 0
+        assert all(ms > 0 for ms in case["peers"].values())

@@ -1,0 +1,295 @@
+"""scaling.py: reference casts, scale rules, special input, and the two quantizers."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import io
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tutorial_lib.quant.float8 import Float8Tensor
+from tutorial_lib.quant.formats import FORMATS, decode, encode
+from tutorial_lib.quant.tensor import register_safe_globals
+from tutorial_lib.quant.per_tensor import (
+    CurrentScaling,
+    DelayedScaling,
+    amax,
+    cast_current_scaling,
+    cast_delayed_scaling,
+    dequantize_per_tensor,
+    quantize_per_tensor,
+    scale_from_amax,
+)
+
+FP8 = ["e4m3", "e5m2"]
+
+
+def _randn(n, seed, dtype=torch.float32, spread=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    if spread:
+        x = x * torch.exp2(torch.randint(-spread, spread + 1, (n,), generator=g).float())
+    return x.to(dtype)
+
+
+@pytest.fixture
+def gloo_group(tmp_path):
+    """A real one-rank gloo ProcessGroup (no global default group needed)."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    return dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=10))
+
+
+# --------------------------------------------------------------------------- amax and scales
+
+
+def test_amax_matches_abs_max_and_propagates_nan():
+    x = _randn(1000, 0, spread=20)
+    assert amax(x).item() == x.abs().max().item()
+    assert amax(x.bfloat16()).item() == x.bfloat16().abs().max().float().item()
+    x[10] = -float("inf")
+    assert amax(x).item() == float("inf")
+    x[500] = float("nan")  # NaN wins over inf, wherever it is
+    assert amax(x).isnan() and amax(x.flip(0)).isnan()
+    assert amax(torch.empty(0, 3)).item() == 0.0 and amax(torch.empty(0)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_scale_from_amax_rules(fmt):
+    fmax = FORMATS[fmt].max
+    a = torch.tensor(3.0)
+    assert scale_from_amax(a, fmt).item() == torch.tensor(fmax / 3.0, dtype=torch.float32).item()
+    assert scale_from_amax(a, fmt, margin=2).item() == scale_from_amax(a, fmt).item() / 4
+    p = scale_from_amax(a, fmt, pow2=True)
+    assert p.item() == 2.0 ** torch.floor(torch.log2(torch.tensor(fmax / 3.0))).item()  # rounded *down*
+    # amax * scale never exceeds max, also right below a power of two where log2 would round up
+    for amax_value in (3.0, 2.0**-20, 447.9999, fmax * (1 - 2**-23), 1e30):
+        for pow2 in (False, True):
+            s = scale_from_amax(torch.tensor(amax_value), fmt, pow2=pow2)
+            assert (torch.tensor(amax_value) * s).item() <= fmax
+    assert scale_from_amax(torch.tensor(0.0), fmt, amax_eps=1e-6).item() == torch.tensor(fmax / 1e-6).item()
+    for bad in (float("inf"), float("nan")):
+        assert scale_from_amax(torch.tensor(bad), fmt).isnan()
+
+
+def test_amax_eps_that_would_overflow_the_scale_is_rejected():
+    for bad in (0.0, -1.0, 1e-40, float("nan"), float("inf"), 1e300):
+        with pytest.raises(ValueError, match="amax_eps"):
+            CurrentScaling("e4m3", amax_eps=bad)
+        with pytest.raises(ValueError, match="amax_eps"):
+            cast_current_scaling(torch.ones(3), "e4m3", amax_eps=bad)
+    CurrentScaling("e4m3", amax_eps=1.4e-36)  # the smallest that keeps 448 / eps finite works
+
+
+# --------------------------------------------------------------------------- the reference cast
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_per_tensor_agrees_with_our_encode_and_error_bound(fmt, dtype):
+    """Two independent implementations (torch's cast, formats.encode) give the same bytes, and
+    the round trip error is at most half a quantum: 2**-(man+1) relative for normals,
+    min_subnormal / 2 absolute below min_normal (in scaled units)."""
+    spec = FORMATS[fmt]
+    x = _randn(5000, seed=7, dtype=dtype, spread=6)
+    res = cast_current_scaling(x, fmt)
+    assert torch.equal(res.data, encode(x.float() * res.scale, fmt, saturate=True))
+    y = x.float() * res.scale  # scaled: |y| <= max by construction
+    back = dequantize_per_tensor(res.data, res.scale_inv, fmt) * res.scale
+    err = (back - y).abs()
+    bound = torch.where(y.abs() >= spec.min_normal, y.abs() * 2.0 ** -(spec.man_bits + 1),
+                        torch.full_like(y, spec.min_subnormal / 2))
+    assert bool((err <= bound).all())
+    assert (res.data.view(spec.torch_dtype).float().abs().max().item()) == spec.max  # amax lands on max
+
+
+def test_dequantize_matches_decode_and_rounds_to_dtype():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    for fmt in FP8:
+        ref = decode(codes, fmt) * 0.3
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            got = dequantize_per_tensor(codes, torch.tensor(0.3), fmt, dtype)
+            assert got.dtype == dtype and torch.equal(got.isnan(), ref.isnan())
+            assert torch.equal(got[~got.isnan()], ref.to(dtype)[~got.isnan()])
+
+
+def test_non_contiguous_input_is_fine_in_the_reference():
+    x = _randn(64 * 48, seed=8).reshape(64, 48)
+    res_t = cast_current_scaling(x.t(), "e4m3")
+    res = cast_current_scaling(x.t().contiguous(), "e4m3")
+    assert res_t.data.is_contiguous() and torch.equal(res_t.data, res.data)
+
+
+# --------------------------------------------------------------------------- special input
+
+
+def test_empty_and_zero_tensors():
+    res = cast_current_scaling(torch.empty(0, 4, dtype=torch.bfloat16), "e4m3")
+    assert res.data.shape == (0, 4) and res.amax.item() == 0.0 and torch.isfinite(res.scale)
+    z = torch.zeros(10)
+    res = cast_current_scaling(z, "e4m3")  # amax 0 -> amax_eps bounds the scale
+    assert res.scale.item() == torch.tensor(448 / 1e-12).item() and not res.data.any()
+    assert torch.equal(dequantize_per_tensor(res.data, res.scale_inv), z)
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_non_finite_input_current_scaling_poisons_the_whole_tensor(fmt):
+    """inf or NaN -> amax non-finite -> scale NaN -> every byte and scale_inv are NaN: loud."""
+    for bad in (float("inf"), -float("inf"), float("nan")):
+        x = _randn(100, seed=9)
+        x[3] = bad
+        res = cast_current_scaling(x, fmt)
+        assert res.scale.isnan() and res.scale_inv.isnan()
+        assert dequantize_per_tensor(res.data, res.scale_inv, fmt).isnan().all()
+
+
+def test_non_finite_input_delayed_scaling_saturates_inf_and_keeps_nan():
+    x = torch.tensor([1.0, float("inf"), -float("inf"), float("nan"), 1e9, -0.0])
+    res = cast_delayed_scaling(x, 2.0, "e4m3")
+    assert res.data.tolist()[:3] == [0x40, 0x7E, 0xFE] and res.data[4].item() == 0x7E  # 2.0, +-448 (satfinite)
+    assert res.data[3].item() & 0x7F == 0x7F and res.data[5].item() == 0x80  # NaN code, -0.0 kept
+    assert res.amax.isnan()
+
+
+def test_bad_input_errors():
+    x = torch.ones(4)
+    for bad_dtype in (torch.float64, torch.int32, torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match="float32, bfloat16, float16 input"):
+            cast_current_scaling(x.to(bad_dtype), "e4m3")
+    with pytest.raises(ValueError, match="must be one of \\('e4m3', 'e5m2'\\), got 'e8m0'"):
+        cast_current_scaling(x, "e8m0")
+    for bad_scale in (0.0, -2.0, float("inf"), float("nan"), 1e-50, 1e39):
+        with pytest.raises(ValueError, match="scale"):
+            quantize_per_tensor(x, bad_scale)
+    with pytest.raises(TypeError, match="single float32"):
+        quantize_per_tensor(x, torch.ones(2))
+    with pytest.raises(TypeError, match="single float32"):
+        quantize_per_tensor(x, torch.tensor(1.0, dtype=torch.float64))
+    with pytest.raises(TypeError, match="uint8"):
+        dequantize_per_tensor(x, 1.0)
+    with pytest.raises(ValueError, match="out must be uint8"):
+        cast_delayed_scaling(x, 1.0, out=torch.empty(3, dtype=torch.uint8))
+
+
+# --------------------------------------------------------------------------- quantizers
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_current_scaling_quantizer_builds_a_float8_tensor(pow2):
+    x = _randn(96, seed=10, dtype=torch.bfloat16).reshape(8, 12)
+    qz = CurrentScaling("e5m2", pow2=pow2)
+    q = qz.quantize(x)
+    ref = cast_current_scaling(x, "e5m2", pow2=pow2)
+    assert type(q) is Float8Tensor and q.dtype == torch.bfloat16 and q.shape == x.shape and q.quantizer is qz
+    assert torch.equal(q.raw_buffers()["data"], ref.data) and torch.equal(q.raw_buffers()["scale_inv"], ref.scale_inv)
+    x2 = x * 3
+    qz.quantize_into(q, x2)  # in place: bytes and scale_inv replaced
+    assert torch.equal(q.raw_buffers()["data"], cast_current_scaling(x2, "e5m2", pow2=pow2).data)
+    with pytest.raises(ValueError, match="destination is e5m2, this quantizer makes e4m3"):
+        CurrentScaling("e4m3").quantize_into(q, x2)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        qz.quantize_into(q, x2[:4])
+
+
+def test_delayed_scaling_uses_earlier_amaxes():
+    """Call t casts with the scale from calls < t: 1.0 first, then max over the history."""
+    dq = DelayedScaling("e4m3", history_len=3, algo="max")
+    steps = [torch.full((4,), v) for v in (2.0, 1.0, 1.0, 1.0, 1.0)]
+    used = []
+    for x in steps:
+        used.append(dq.scale.item())
+        res = dq.cast(x)
+        assert res.scale.item() == used[-1] and res.amax.item() == x[0].item()
+    s2, s1 = torch.tensor(448 / 2.0).item(), 448.0
+    assert used == [1.0, s2, s2, s2, s1]  # the 2.0 leaves the 3-long window after 3 more steps
+    assert dq.amax_history.tolist() == [1.0, 1.0, 1.0]
+
+    recent = DelayedScaling("e4m3", history_len=3, algo="most_recent", margin=1)
+    for x in steps[:2]:
+        recent.cast(x)
+    assert recent.scale.item() == 448.0 / 2  # most recent amax 1.0, margin 1 halves the scale
+
+
+def test_delayed_scaling_spike_saturates_then_keeps_scale_on_non_finite_and_zero():
+    dq = DelayedScaling("e4m3", history_len=4)
+    dq.cast(torch.full((4,), 1.0))
+    spike = dq.cast(torch.tensor([1.0, 100.0, 1.0, 1.0]))  # stale scale 448: 100 * 448 saturates
+    assert spike.data[1].item() == 0x7E and spike.amax.item() == 100.0
+    good = dq.scale.clone()
+    dq.cast(torch.tensor([1.0, float("inf")]))
+    assert dq.amax_history[0].item() == float("inf") and torch.equal(dq.scale, good)  # recorded, scale kept
+    z = DelayedScaling("e4m3")
+    z.cast(torch.ones(3))
+    z2 = z.scale.clone()
+    z.cast(torch.zeros(3))
+    assert torch.equal(z.scale, z2)  # a zero amax (with max over history 1.0) keeps 448 anyway
+    only_zero = DelayedScaling("e4m3", history_len=1)
+    only_zero.cast(torch.zeros(3))
+    assert only_zero.scale.item() == 1.0  # zero amax: the scale stays, not 448 / eps
+
+
+def test_delayed_scaling_validation():
+    with pytest.raises(ValueError, match="algo"):
+        DelayedScaling(algo="mean")
+    with pytest.raises(ValueError, match="history_len"):
+        DelayedScaling(history_len=0)
+    with pytest.raises(ValueError, match="margin"):
+        DelayedScaling(margin=1.5)
+    with pytest.raises(ValueError, match="backend"):
+        CurrentScaling(backend="cuda")
+
+
+def test_quantizer_with_group_pickles_drops_group_and_refuses_until_set(gloo_group):
+    cs = CurrentScaling("e4m3", group=gloo_group)
+    ds = DelayedScaling("e4m3", group=gloo_group)
+    x = _randn(50, seed=11)
+    assert torch.equal(cs.cast(x).data, cast_current_scaling(x).data)  # one rank: reduced amax == local
+    ds.cast(x)
+    for qz in (cs, ds):
+        with pytest.raises(TypeError, match="cannot pickle"):
+            pickle.dumps(gloo_group)  # the problem the __getstate__ solves
+        back = pickle.loads(pickle.dumps(qz))
+        assert back.group is None and back.group_dropped and qz.group is gloo_group
+        with pytest.raises(RuntimeError, match="dropped when it was pickled.*set_group"):
+            back.cast(x)
+        back.set_group(None)  # explicit choice: local scaling
+        back.cast(x)
+        dc = copy.deepcopy(qz)  # same process: the group is shared, state is copied
+        assert dc.group is gloo_group and not dc.group_dropped
+    assert copy.deepcopy(ds).amax_history is not ds.amax_history
+    assert torch.equal(pickle.loads(pickle.dumps(ds)).amax_history, ds.amax_history)
+
+
+def test_quantizer_save_load_weights_only():
+    register_safe_globals()
+    ds = DelayedScaling("e5m2", history_len=4, margin=1)
+    ds.cast(_randn(20, seed=12))
+    buf = io.BytesIO()
+    torch.save({"q": ds, "c": CurrentScaling(pow2=True)}, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)
+    assert torch.equal(back["q"].amax_history, ds.amax_history) and torch.equal(back["q"].scale, ds.scale)
+    assert back["c"].pow2 and back["q"].margin == 1
+
+
+# --------------------------------------------------------------------------- lesson helpers
+
+
+def test_fake_quantize_and_the_stale_scale_pitfall():
+    from tutorial_lib.quant.per_tensor import fake_quantize_per_tensor, synthetic_activations, track_scaling
+
+    x = torch.tensor([1.0, 17.0, 1000.0])
+    assert fake_quantize_per_tensor(x, 1.0, "e4m3").tolist() == [1.0, 16.0, 448.0]
+    xs = synthetic_activations(12, 2000, spike_step=6, spike_factor=30.0, seed=0)
+    assert xs[6].abs().max() > 10 * xs[5].abs().max()
+    cur = track_scaling(xs, CurrentScaling("e4m3"))
+    dl = track_scaling(xs, DelayedScaling("e4m3", history_len=4, algo="max"))
+    assert max(cur["saturated"]) == 0.0  # current scaling never saturates
+    assert dl["saturated"][6] > 0.005 and dl["saturated"][5] == 0.0  # the spike hits a stale scale
+    assert dl["rel_rms_error"][6] > 10 * cur["rel_rms_error"][6]
+    assert dl["scale"][7] < dl["scale"][5] / 10  # then the max over the history keeps the scale small...
+    assert dl["scale"][11] > dl["scale"][10] * 10  # ...until the spike leaves the 4-step window
+    assert all(e < 0.06 for e in cur["rel_rms_error"])

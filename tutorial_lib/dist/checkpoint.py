@@ -1,0 +1,345 @@
+"""Checkpointing quantized (FSDP2 / DTensor) state with ``torch.distributed.checkpoint`` (DCP).
+
+What DCP does with one quantized parameter, and where this module steps in::
+
+    save  state_dict["w"] = DTensor ─ local Float8Tensor (bytes + scale_inv + quantizer + attrs)
+            │ staging (async only): StateDictStager deep-copies it: x.new_empty(...) + __dict__ copies
+            │ QuantizedSavePlanner.transform_object: a CLEAN tensor (buffers + meta, no quantizer, no attrs)
+            ▼ torch.save(chunk) into __<rank>_0.distcp        (the checkpoint never pickles Python objects)
+    load  torch.load(chunk, weights_only=True)                 (needs the safe globals: register_safe_globals)
+            │ QuantizedLoadPlanner.resolve_tensor: a staging tensor of the chunk's shape, quantizer = a guard
+            │ reader: staging.copy_(chunk)          -> raw bytes + scale; anything else would requantize: raise
+            ▼ commit_tensor: target's shared (0-d) scale := chunk's scale, then target[view].copy_(staging)
+              = a raw byte copy, valid for ANY resharding because every shard of a per-tensor-scaled
+                tensor shares ONE scale (a second chunk with another scale is refused, not averaged)
+
+Why the planners exist (each measured, see lesson 09):
+
+* DCP's default load copies a chunk into ``target[rows]``; when the target's scale differs from the
+  checkpoint's (a fresh model) that partial-view copy REQUANTIZES with the target's stale scale:
+  saturated or rounded values, no error. Loading without resharding happens to hide it.
+* Pickling the quantizer into every chunk drags Python classes (weights_only allowlists) and
+  per-run state into the file, and the target keeps its own quantizer anyway: quantizer state is
+  saved explicitly instead (``tutorial_lib.dist.extra_state``).
+
+Helpers: :func:`save_checkpoint` (sync or async; refuses to overwrite), :func:`load_checkpoint`
+(safe globals, planners, NaN/Inf check naming keys). Re-exported here so one import serves a
+training script: from :mod:`tutorial_lib.dist.checkpoint_checks` :func:`nonfinite_keys`,
+:func:`mismatched_keys`, :func:`uninitialized_memory_as_nan`, :func:`default_safe_globals_only`; from
+:mod:`tutorial_lib.dist.checkpoint_dirs` :func:`checkpoint_dir`, :class:`CheckpointDir`,
+:func:`shared_checkpoint_dir` (unique, removed on success and failure).
+
+Example::
+
+    from tutorial_lib.dist.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
+    with checkpoint_dir() as path:                  # in the caller; pass `path` to the ranks
+        save_checkpoint({"model": model.state_dict()}, path)            # every rank
+        save_checkpoint(state, path2, mode="async").result()           # async: wait before reuse
+        load_checkpoint({"model": fresh.state_dict()}, path)           # raises on NaN/Inf, names keys
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+
+from tutorial_lib.dist.checkpoint_checks import (
+    NonFiniteCheckpointError,
+    _flatten,
+    _raise_if_nonfinite,
+    default_safe_globals_only,
+    mismatched_keys,
+    nonfinite_keys,
+    uninitialized_memory_as_nan,
+)
+from tutorial_lib.dist.checkpoint_dirs import CheckpointDir, checkpoint_dir, shared_checkpoint_dir
+from tutorial_lib.quant.tensor import QuantizedTensor, register_safe_globals
+
+__all__ = [
+    "CheckpointDir",
+    "CheckpointExistsError",
+    "NonFiniteCheckpointError",
+    "QuantizedLoadPlanner",
+    "QuantizedSavePlanner",
+    "RequantizeOnLoadError",
+    "SharedScaleError",
+    "checkpoint_dir",
+    "clean_quantized",
+    "default_safe_globals_only",
+    "load_checkpoint",
+    "mismatched_keys",
+    "nonfinite_keys",
+    "quantized_stager",
+    "save_checkpoint",
+    "shared_checkpoint_dir",
+    "uninitialized_memory_as_nan",
+]
+
+METADATA_FILE = ".metadata"
+
+
+class CheckpointExistsError(FileExistsError):
+    """A checkpoint already lives at the path: refusing to mix files of two runs."""
+
+
+class RequantizeOnLoadError(ValueError):
+    """Loading would requantize a quantized target (not a bit-exact restore)."""
+
+
+class SharedScaleError(ValueError):
+    """Chunks of one per-tensor-scaled tensor carry different scales (the shared-scale invariant is broken)."""
+
+
+# ----------------------------------------------------------------------------- save side
+
+
+def clean_quantized(t: QuantizedTensor) -> QuantizedTensor:
+    """The same bytes/scales/meta with no quantizer and no extra attributes, buffers compact.
+
+    What goes into a checkpoint chunk: ``torch.save`` pickles a tensor's quantizer and every
+    attribute in its ``__dict__`` (e.g. a high-precision init copy), and saves the WHOLE storage
+    of a buffer that is a narrowed view (an FSDP2 shard of a padded buffer).
+    """
+
+    def compact(b: torch.Tensor) -> torch.Tensor:
+        return b if b.untyped_storage().nbytes() == b.numel() * b.element_size() else b.clone()
+
+    buffers = {n: compact(b) for n, b in t.raw_buffers().items()}
+    return type(t).from_buffers(buffers, t.meta(), t.shape, t.dtype)
+
+
+class QuantizedSavePlanner(DefaultSavePlanner):
+    """DCP save planner that writes quantized tensors as :func:`clean_quantized` chunks."""
+
+    def transform_object(self, write_item: WriteItem, object):  # noqa: A002 - DCP's signature
+        if write_item.type != WriteItemType.BYTE_IO and isinstance(object, QuantizedTensor):
+            object = clean_quantized(object)  # a quantizer or init copy never lands in the file
+        return super().transform_object(write_item, object)
+
+
+def quantized_stager():
+    """An async stager that keeps quantized tensors quantized (``StateDictStager``), or None.
+
+    ``dcp.async_save`` stages (copies to CPU) before writing in the background. Two stagers exist:
+
+    * ``DefaultStager`` -> ``StateDictStager``: ``x.new_empty(x.size(), device="cpu")`` then
+      ``setattr`` of every ``__dict__`` entry: exact for a subclass whose ``new_empty`` returns
+      the same subclass (ours), uninitialised memory for one that returns a plain tensor.
+    * ``BlockingAsyncStager`` (``_create_cpu_state_dict`` + ``_copy_state_dict``) allocates PLAIN
+      tensors and ``copy_`` s into them: the checkpoint then holds dequantized values (2x the bytes
+      for bf16), and loading them into a quantized model requantizes.
+
+    Returns None on torch versions without ``DefaultStager`` (their default is the second kind;
+    :func:`load_checkpoint` then refuses the requantizing load instead of silently accepting it).
+    """
+    try:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    except ImportError:  # pragma: no cover - torch < 2.9
+        return None
+    cuda = torch.cuda.is_available()
+    # pinned staging buffers speed up device->host copies; async staging/non-blocking need a stream
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
+
+
+@contextlib.contextmanager
+def _single_process_quiet(no_dist: bool):
+    """DCP warns on every single-process call that it assumes a single process; we asked for one."""
+    with warnings.catch_warnings():
+        if no_dist:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _has_checkpoint(path: str) -> bool:
+    return os.path.exists(os.path.join(path, METADATA_FILE))
+
+
+def save_checkpoint(state_dict: dict, path: str | os.PathLike, *, mode: str = "sync", process_group=None):
+    """Save ``state_dict`` with DCP on every rank; ``mode`` is "sync" or "async".
+
+    Refuses a ``path`` that already holds a checkpoint (``CheckpointExistsError``): DCP would
+    overwrite ``.metadata`` and leave the other run's shard files next to it. Every rank checks
+    before the first collective, when no rank has written yet, so all ranks agree.
+
+    Returns None (sync) or a ``concurrent.futures.Future`` (async): call ``.result()`` before
+    reading the checkpoint, removing its directory, or starting the next async save.
+    """
+    path = os.fspath(path)
+    if mode not in ("sync", "async"):
+        raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
+    if _has_checkpoint(path):
+        raise CheckpointExistsError(
+            f"{path} already holds a checkpoint ({METADATA_FILE} exists); DCP would overwrite its metadata and "
+            "leave the other run's shard files next to the new ones. Use a fresh directory (checkpoint_dir())."
+        )
+    os.makedirs(path, exist_ok=True)
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    kwargs = dict(checkpoint_id=path, planner=QuantizedSavePlanner(), process_group=process_group, no_dist=no_dist)
+    if mode == "sync":
+        with _single_process_quiet(no_dist):
+            dcp.save(state_dict, **kwargs)
+        return None
+    stager = quantized_stager()
+    out = dcp.async_save(state_dict, **kwargs, **({"async_stager": stager} if stager is not None else {}))
+    future = getattr(out, "upload_completion", out)  # AsyncSaveResponse (async staging) or a Future
+    if stager is not None:  # we own it: close it when the upload is done (torch >= 2.9 contract)
+        future.add_done_callback(lambda _f: stager.close())
+    return future
+
+
+# ----------------------------------------------------------------------------- load side
+
+
+@contextlib.contextmanager
+def _unwrapped_errors():
+    """Re-raise our own load errors as themselves, not inside DCP's ``CheckpointException``.
+
+    DCP collects every rank's exception into a ``CheckpointException`` -- a ``BaseException``, so
+    an ``except Exception:`` around a load does NOT catch it. Our errors (requantize refused,
+    shared scale disagreeing) come back as the ``ValueError`` subclasses they are.
+    """
+    try:
+        yield
+    except CheckpointException as exc:
+        ours = [e for _, (e, _tb) in sorted(exc.failures.items())
+                if isinstance(e, (RequantizeOnLoadError, SharedScaleError, TypeError))]
+        if ours:
+            raise ours[0] from exc
+        raise
+
+
+class _RefuseRequantize:
+    """A quantizer for load staging tensors: a raw copy never calls it, a requantizing copy raises."""
+
+    def __init__(self, fqn: str, target: QuantizedTensor):
+        self.fqn = fqn
+        self.what = f"{type(target).__name__}({', '.join(f'{k}={v!r}' for k, v in target.meta().items())})"
+
+    def quantize_into(self, dst, hp):
+        raise RequantizeOnLoadError(
+            f"{self.fqn!r}: the checkpoint does not hold a {self.what} chunk (it holds a plain tensor, e.g. "
+            "dequantized by a blocking async stager, or another format), so loading it into the model's "
+            f"{self.what} would REQUANTIZE it: not a bit-exact restore. Pass requantize='allow' to accept that "
+            "(e.g. to initialise a quantized model from high-precision weights)."
+        )
+
+    def quantize(self, hp):
+        return self.quantize_into(None, hp)
+
+
+class QuantizedLoadPlanner(DefaultLoadPlanner):
+    """DCP load planner that restores quantized chunks by raw copy, for any resharding.
+
+    ``requantize="error"`` (default): a chunk that is not the target's class and meta raises
+    :class:`RequantizeOnLoadError`. ``"allow"``: DCP's default behaviour (``target[view].copy_``,
+    which requantizes through the target's quantizer or scale).
+    """
+
+    def __init__(self, *, requantize: str = "error", **kwargs):
+        if requantize not in ("error", "allow"):
+            raise ValueError(f"requantize must be 'error' or 'allow', got {requantize!r}")
+        super().__init__(**kwargs)
+        self.requantize = requantize
+        self._shared_set: set[str] = set()
+
+    def resolve_tensor(self, read_item: ReadItem):
+        target = self.lookup_tensor(read_item.dest_index)
+        if not isinstance(target, QuantizedTensor) or self.requantize == "allow":
+            return self.transform_tensor(read_item, target)
+        # A fresh tensor of the chunk's shape, not a view of the target: copy_ from the chunk is then
+        # a raw copy of bytes AND scale (a partial view would keep the target's scale and requantize).
+        staging = target.new_empty(tuple(read_item.lengths), device="cpu")
+        if type(staging) is not type(target):
+            raise TypeError(
+                f"{read_item.dest_index.fqn!r}: {type(target).__name__}.new_empty returned a "
+                f"{type(staging).__name__}; it must return the same subclass (DCP's async staging allocates with "
+                "new_empty too, and writes uninitialised memory when it gets a plain tensor)"
+            )
+        staging.quantizer = _RefuseRequantize(read_item.dest_index.fqn, target)
+        return staging
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        target = self.lookup_tensor(read_item.dest_index)
+        if not isinstance(target, QuantizedTensor) or self.requantize == "allow":
+            return
+        fqn = read_item.dest_index.fqn
+        first = fqn not in self._shared_set
+        self._shared_set.add(fqn)
+        dst_bufs, src_bufs = target.raw_buffers(), tensor.raw_buffers()
+        for name, dst in dst_bufs.items():
+            if dst.dim() != 0:
+                continue  # element/block-aligned buffers travel with the view below
+            # A 0-d buffer is shared by every element (per-tensor scale): set it once, then every
+            # further chunk must agree -- that invariant is what makes the raw byte copy valid.
+            if first:
+                dst.copy_(src_bufs[name])
+            elif not torch.equal(dst.cpu(), src_bufs[name]):
+                raise SharedScaleError(
+                    f"{fqn!r}: checkpoint chunks disagree on the shared {name!r} ({dst.item()!r} vs "
+                    f"{src_bufs[name].item()!r}); a per-tensor-scaled tensor must have ONE scale on every shard"
+                )
+        view = narrow_tensor_by_index(target, read_item.dest_offsets, read_item.lengths)
+        view.copy_(tensor.to(view.device))  # same class, meta and scale: raw bytes
+
+
+def load_checkpoint(state_dict: dict, path: str | os.PathLike, *, check_finite: bool = True,
+                    requantize: str = "error", process_group=None) -> dict:
+    """Load a DCP checkpoint IN PLACE into ``state_dict`` (every rank); returns ``state_dict``.
+
+    Registers the quantized classes as safe globals (DCP reads every chunk with
+    ``torch.load(weights_only=True)``), restores quantized chunks with
+    :class:`QuantizedLoadPlanner`, then (``check_finite``) raises
+    :class:`NonFiniteCheckpointError` naming every key that holds NaN/Inf on any rank.
+    """
+    path = os.fspath(path)
+    if not _has_checkpoint(path):
+        raise FileNotFoundError(f"no DCP checkpoint at {path} (no {METADATA_FILE}); was the save finished?")
+    register_safe_globals()
+    no_dist = not (dist.is_available() and dist.is_initialized())
+    with _unwrapped_errors(), _single_process_quiet(no_dist):
+        dcp.load(state_dict, checkpoint_id=path, planner=QuantizedLoadPlanner(requantize=requantize),
+                 process_group=process_group, no_dist=no_dist)
+    loaded = _resolved(state_dict)
+    if not no_dist:
+        _share_scales_with_empty_shards(loaded, process_group)
+    if check_finite:
+        _raise_if_nonfinite(loaded, path, None if no_dist else process_group)
+    return state_dict
+
+
+def _resolved(state_dict: dict) -> dict:
+    """The tensors a load wrote into: a DCP ``Stateful`` is asked for its (now loaded) state_dict."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+
+
+def _share_scales_with_empty_shards(state_dict: dict, group) -> None:
+    """A rank whose shard of a quantized tensor is EMPTY reads no chunk of it, so it never receives the
+    shared per-tensor scale -- yet FSDP2's all-gather sends every rank's 0-d buffers as metadata. One
+    MAX all-reduce over all such buffers (-inf where the shard is empty) hands them the value."""
+    items = []
+    for _, v in _flatten(state_dict):
+        if isinstance(v, DTensor) and isinstance(v._local_tensor, QuantizedTensor):
+            loc = v._local_tensor
+            items += [(loc.numel() > 0, b) for b in loc.raw_buffers().values() if b.dim() == 0]
+    if not items:
+        return
+    device = items[0][1].device
+    vals = torch.stack([b.to(device, torch.float64) if has else torch.tensor(float("-inf"), dtype=torch.float64,
+                                                                                 device=device) for has, b in items])
+    dist.all_reduce(vals, op=dist.ReduceOp.MAX, group=group)
+    for (has, b), v in zip(items, vals):
+        if not has:
+            b.copy_(v.to(b.dtype))

@@ -1,0 +1,665 @@
+"""FSDP2 all-gather hooks for every quantized tensor: the all-gather moves quantized bytes, not bf16.
+
+FSDP2 looks for two methods on a parameter's local shard (``hasattr(local, "fsdp_pre_all_gather")``,
+checked once, in ``fully_shard``). Importing this module attaches ONE implementation of both to
+:class:`~tutorial_lib.quant.tensor.QuantizedTensor`, written against the storage protocol
+only (``raw_buffers()``, ``meta()``, ``from_buffers()``), so every format gets them::
+
+    rank r, sharded (QuantizedTensor shard [rows_r, K])             FSDP2
+    ---------------------------------------------------             -----
+    fsdp_pre_all_gather(mesh, outer_size, ...)
+      buffers with dim >= 1 (codes, per-block scales) -> inputs    -> one uint8 all-gather per group
+      0-d buffers (per-tensor scale_inv, global scale) -> metadata    (inputs padded to ceil(N/ws) rows)
+    fsdp_post_all_gather(outputs, metadata, param_dtype, out=None)
+      first call : from_buffers(outputs[:N rows], metadata) ------> unsharded param [N, K] (aliases outputs)
+      later calls: outputs were refilled IN PLACE (same storage) -> only the 0-d buffers are copied
+
+Why a 0-d scale may travel as metadata: every rank's shard was quantized with ONE scale, because
+the quantizer all-reduced its amax (MAX) over the shard group (``CurrentScaling(group=...)``).
+If it did not, rank 1's codes would be decoded with rank 0's scale; :func:`verify_shared_scales`
+turns that silent error into an exception (lesson 06 shows both).
+
+The version-counter trap. On the second and later all-gathers FSDP2 passes ``out=`` (the
+unsharded parameter it keeps). ``out.copy_(new)`` bumps ``out``'s version counter, which
+autograd saved in forward (our linear saves the quantized weight), so backward fails with
+"modified by an inplace operation ... output 0 of AsStrided". The fix is structural, not a
+clone: the unsharded tensor's buffers *are* views of FSDP2's all-gather output storage, which
+FSDP2 frees and refills in place, so nothing needs copying; only the 0-d scale buffers are
+written, and they are plain inner tensors autograd never saw. (``post_all_gather_mode("copy")``
+reproduces the trap for the lesson.)
+
+Uneven shards (dim 0 not divisible by the world size): FSDP2 requires every all-gather input
+of a padded rank to have the padded shard shape, so only buffers shaped like the tensor (FP8
+codes) can be padded; a format with per-block scale buffers must be sharded evenly. Block
+formats also need shard boundaries on block boundaries. :func:`check_fsdp_shardable` says so
+before anything is allocated.
+
+Example::
+
+    import tutorial_lib.dist.fsdp2 as fq            # attaches the hooks
+    fq.fully_shard_blocks(model, mesh, reshard_after_forward=True)   # model: quantized on meta first
+    with fq.count_all_gathers() as log:
+        model(x).sum().backward()
+    log.input_bytes                                        # bytes this rank contributed, forward + backward
+    2 * fq.expected_all_gather_bytes(model)["total"]       # the same number, from the parameters' buffers
+    with fq.verify_shared_scales():                        # debug: per-tensor scales equal on all ranks?
+        model(x).sum().backward()
+
+Module map: the hooks and :func:`attach_fsdp2_hooks`; :func:`check_fsdp_shardable` and
+:func:`dim0_granularity`; :func:`fully_shard_blocks`; :func:`count_all_gathers` and
+:func:`expected_all_gather_bytes`; then the rank functions of lesson 06, its tests and
+``benchmarks/bench_fsdp2_allgather.py`` (:func:`allgather_demo`, :func:`pitfall_demo`,
+:func:`allgather_benchmark`, :func:`run_sequence`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from tutorial_lib.quant.tensor import QuantizedTensor, is_quantized, local_tensor
+from tutorial_lib.quant.view_policy import allow_flat_views
+
+__all__ = [
+    "AllGatherLog",
+    "allgather_benchmark",
+    "allgather_demo",
+    "manual_unshard",
+    "pitfall_demo",
+    "rank_setup",
+    "record_quantized_dispatch",
+    "run_sequence",
+    "ScaleMismatchError",
+    "UnshardableError",
+    "attach_fsdp2_hooks",
+    "check_fsdp_shardable",
+    "count_all_gathers",
+    "dim0_granularity",
+    "expected_all_gather_bytes",
+    "fully_shard_blocks",
+    "hook_form",
+    "installed_pre_all_gather_form",
+    "post_all_gather_mode",
+    "split_buffers",
+    "verify_shared_scales",
+]
+
+
+class UnshardableError(ValueError):
+    """A quantized parameter whose layout FSDP2 cannot shard along dim 0 on this many ranks."""
+
+
+class ScaleMismatchError(RuntimeError):
+    """Ranks hold different values of a buffer that the all-gather treats as shared (metadata)."""
+
+
+# ----------------------------------------------------------------------------- layout facts from the protocol
+
+
+def split_buffers(t: QuantizedTensor) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(gathered, replicated)`` buffer names: dim >= 1 buffers follow dim 0; 0-d buffers are per tensor."""
+    bufs = t.raw_buffers()
+    gathered = tuple(n for n in t._buffer_names if bufs[n].dim() >= 1)
+    replicated = tuple(n for n in t._buffer_names if bufs[n].dim() == 0)
+    return gathered, replicated
+
+
+def dim0_granularity(t: QuantizedTensor) -> int:
+    """Rows of dim 0 that one scale block spans (1 for per-tensor and 1xB layouts, 128 for 128x128).
+
+    From ``quant_layout.block``, aligned to the tensor's trailing dims: block (1, 32) on [M, K]
+    spans 1 row; on a 1-D [K] tensor dim 0 *is* the blocked dim (32); (128, 128) on [M, K] spans 128.
+    """
+    block = type(t).quant_layout.block
+    if not block:
+        return 1
+    i = len(block) - t.dim()  # index into block of the entry that covers dim 0
+    return int(block[i]) if 0 <= i < len(block) else 1
+
+
+def check_fsdp_shardable(t: QuantizedTensor, world_size: int, name: str = "parameter", *, form: str | None = None):
+    """Raise :class:`UnshardableError` (naming the constraint) if FSDP2 cannot shard ``t`` along dim 0."""
+    form = form or hook_form()
+    what = f"{name} ({type(t).__name__} {list(t.shape)}, layout {type(t).quant_layout.name!r})"
+    if t.dim() == 0:
+        raise UnshardableError(f"{what}: a 0-d tensor has no dim 0 to shard; keep it unquantized")
+    n = t.shape[0]
+    chunk = -(-n // world_size)
+    g = dim0_granularity(t)
+    if chunk % g or n % g:
+        raise UnshardableError(
+            f"{what}: FSDP2 gives each of {world_size} ranks ceil({n}/{world_size}) = {chunk} rows of dim 0, "
+            f"not a multiple of the {g}-row scale block: a shard boundary would cut through a block. Use a "
+            f"dim 0 that is a multiple of {g * world_size}."
+        )
+    if n % world_size:
+        gathered, _ = split_buffers(t)
+        odd = [b for b in gathered if t.raw_buffers()[b].shape != t.shape]
+        if form == "1-arg":
+            raise UnshardableError(
+                f"{what}: dim 0 ({n}) is not divisible by {world_size} ranks (uneven shards), and this torch's "
+                "fsdp_pre_all_gather gets no outer size to pad to. Use an even dim 0."
+            )
+        if odd:
+            raise UnshardableError(
+                f"{what}: dim 0 ({n}) is not divisible by {world_size} ranks. FSDP2 requires every all-gather "
+                f"input of a padded rank to have the padded shard shape [{chunk}, ...], but buffer(s) {odd} are "
+                "not shaped like the tensor. Use a dim 0 divisible by the world size."
+            )
+
+
+# ----------------------------------------------------------------------------- the hooks
+
+
+@dataclasses.dataclass(frozen=True)
+class _GatherMeta:
+    cls: type
+    meta: dict
+    gathered: tuple[str, ...]
+    rows_ratio: tuple[int, ...]  # tensor rows per buffer row, per gathered buffer
+    replicated: dict  # name -> this rank's 0-d buffer (a copy)
+    shape: tuple[int, ...]  # the unsharded shape (None rows if unknown: 1-arg form)
+
+
+_verify = False
+_post_mode = "alias"
+
+
+def _padded_rows(buf: torch.Tensor, rows: int) -> torch.Tensor:
+    """``buf`` extended to ``rows`` rows: an alias when its storage already holds them (FSDP2 pads
+    shards with ``new_zeros`` then narrows), else a zero-padded copy. Padding rows are discarded
+    after the all-gather, so their content never matters."""
+    shape = (rows, *buf.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    need = (buf.storage_offset() + math.prod(shape)) * buf.element_size()
+    if buf.is_contiguous() and buf.untyped_storage().nbytes() >= need:
+        return buf.as_strided(shape, stride, buf.storage_offset())
+    out = buf.new_zeros(shape)
+    out[: buf.shape[0]].copy_(buf)
+    return out
+
+
+def _check_replicated(name: str, buf: torch.Tensor, group) -> None:
+    """Raise on every rank if the ranks' copies of a 0-d buffer differ (bytewise MAX == MIN)."""
+    byte_vals = buf.detach().reshape(1).contiguous().view(torch.uint8).to(torch.int32)
+    hi, lo = byte_vals.clone(), byte_vals.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    if not torch.equal(hi, lo):
+        raise ScaleMismatchError(
+            f"buffer {name!r} differs across the shard group (bytes {lo.tolist()} .. {hi.tolist()}): "
+            "each shard was quantized with its own scale, so gathered codes would be decoded with the wrong "
+            "one. Quantize with an amax all-reduce over the shard group (e.g. CurrentScaling(group=...))."
+        )
+
+
+def _pre_all_gather(self: QuantizedTensor, mesh, outer_size=None):
+    """All-gather inputs (dim >= 1 buffers, padded to ``ceil(N / ws)`` rows) and metadata (0-d buffers)."""
+    gathered, replicated = split_buffers(self)
+    bufs = self.raw_buffers()
+    if outer_size is None:  # 1-arg form: no global shape; shards must be even (checked at init)
+        rows, shape = self.shape[0], None
+    else:
+        shape = tuple(outer_size)
+        rows = -(-shape[0] // mesh.size())
+    inputs = []
+    for name in gathered:
+        b = bufs[name]
+        if self.shape[0] != rows:  # the short shard of an uneven split: pad to the padded shard shape
+            if b.shape != self.shape:
+                raise UnshardableError(f"uneven shard of {type(self).__name__}: buffer {name!r} {list(b.shape)} "
+                                       f"cannot be padded to the shard shape [{rows}, ...]")
+            b = _padded_rows(b, rows)
+        inputs.append(b.contiguous())
+    ratios = tuple(rows // max(1, i.shape[0]) for i in inputs)
+    if _verify:  # the 0-d buffers travel as metadata: each rank decodes everyone's rows with its own copy
+        group = mesh.get_group()
+        for name in replicated:
+            _check_replicated(name, bufs[name], group)
+    # a copy of the scale: the optimizer requantizes the shard in place while the unsharded tensor lives on
+    meta = _GatherMeta(type(self), self.meta(), gathered, ratios, {n: bufs[n].clone() for n in replicated}, shape)
+    return tuple(inputs), meta
+
+
+def _fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+    """FSDP2 hook (torch >= 2.5 form): this rank's quantized buffers, padded to the padded shard rows."""
+    return _pre_all_gather(self, mesh, outer_size)
+
+
+def _fsdp_pre_all_gather_1arg(self, mesh):
+    """FSDP2 hook, older 1-argument form: no outer size, so shards must be even."""
+    return _pre_all_gather(self, mesh, None)
+
+
+def _used_on_this_stream(tensors) -> None:
+    """The scale copies in the metadata were allocated on FSDP2's all-gather COPY-IN stream (the
+    pre-all-gather hook runs there) and are read here, on the compute stream. Tell the caching
+    allocator (``record_stream``); otherwise, once the unsharded weight is freed, it hands their memory
+    to the next copy-in -- the next layer's scale, prefetched -- while kernels queued on this stream
+    may still have to read it. (Added while chasing bit-exactness failures seen on busy GPUs; a
+    stress test with a lagging compute stream did not reproduce them without it: see the README's
+    "Bit-exact checks on busy GPUs".)"""
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+
+
+def _fsdp_post_all_gather(self, all_gather_outputs, metadata: _GatherMeta, param_dtype, *, out=None):
+    """FSDP2 hook: wrap the gathered buffers (no copy) as the unsharded quantized tensor."""
+    m = metadata
+    n_rows = m.shape[0] if m.shape is not None else all_gather_outputs[0].shape[0] * m.rows_ratio[0]
+    bufs = {}
+    for name, o, ratio in zip(m.gathered, all_gather_outputs, m.rows_ratio):
+        rows = n_rows // ratio
+        bufs[name] = o if o.shape[0] == rows else o.narrow(0, 0, rows)  # drop the padding rows
+    _used_on_this_stream(m.replicated.values())
+    bufs.update(m.replicated)
+    shape = m.shape if m.shape is not None else (n_rows, *self.shape[1:])
+    if out is not None:  # 2nd+ call: `out` is the unsharded parameter FSDP2 kept (a DTensor for 2-D meshes)
+        dst = local_tensor(out)
+        if _post_mode == "copy":  # THE TRAP (lesson 06): bumps out's version counter, saved by autograd
+            out.copy_(m.cls.from_buffers(bufs, m.meta, shape, param_dtype))
+            return None
+        for name, b in bufs.items():
+            d = dst.__dict__["_" + name]
+            if not (d.data_ptr() == b.data_ptr() and d.shape == b.shape and d.stride() == b.stride()):
+                d.copy_(b)  # 0-d scales (or a reallocated output): plain inner tensors, `out`'s counter untouched
+        return None
+    # 1st call: views of the outputs, nominal dtype = FSDP2's param_dtype; FSDP2 frees/refills the outputs
+    t = m.cls.from_buffers(bufs, m.meta, shape, param_dtype)
+    return t, tuple(all_gather_outputs)
+
+
+# ----------------------------------------------------------------------------- attaching them
+
+_form: str | None = None
+
+
+def installed_pre_all_gather_form() -> str:
+    """"5-arg" if this torch's FSDP2 passes (mesh, outer_size, outer_stride, module, mp_policy), else "1-arg"."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    except ImportError:  # pragma: no cover - torch < 2.6 kept FSDP2 under _composable
+        try:
+            from torch.distributed._composable.fsdp._fsdp_param import FSDPParam
+        except ImportError:
+            return "1-arg"
+    try:
+        src = inspect.getsource(FSDPParam.all_gather_inputs.fget)
+    except (OSError, TypeError, AttributeError):  # pragma: no cover - no source: decide by version
+        return "5-arg" if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5) else "1-arg"
+    return "5-arg" if "mp_policy" in src else "1-arg"
+
+
+def attach_fsdp2_hooks(form: str | None = None) -> str:
+    """Attach the hooks to QuantizedTensor (done at import). ``form`` "5-arg"/"1-arg" forces one (tests)."""
+    global _form
+    form = form or installed_pre_all_gather_form()
+    if form not in ("5-arg", "1-arg"):
+        raise ValueError(f"form must be '5-arg' or '1-arg', got {form!r}")
+    QuantizedTensor.fsdp_pre_all_gather = _fsdp_pre_all_gather if form == "5-arg" else _fsdp_pre_all_gather_1arg
+    QuantizedTensor.fsdp_post_all_gather = _fsdp_post_all_gather
+    _form = form
+    return form
+
+
+def hook_form() -> str:
+    """The attached ``fsdp_pre_all_gather`` form: "5-arg" or "1-arg"."""
+    return _form or attach_fsdp2_hooks()
+
+
+attach_fsdp2_hooks()
+
+
+@contextlib.contextmanager
+def verify_shared_scales(enabled: bool = True) -> Iterator[None]:
+    """Check, in every pre-all-gather, that 0-d buffers are equal on all ranks (two tiny all-reduces)."""
+    global _verify
+    previous, _verify = _verify, enabled
+    try:
+        yield
+    finally:
+        _verify = previous
+
+
+@contextlib.contextmanager
+def post_all_gather_mode(mode: str) -> Iterator[None]:
+    """"alias" (default, correct) or "copy" (``out.copy_(...)``: reproduces the version-counter trap)."""
+    global _post_mode
+    if mode not in ("alias", "copy"):
+        raise ValueError(f"mode must be 'alias' or 'copy', got {mode!r}")
+    previous, _post_mode = _post_mode, mode
+    try:
+        yield
+    finally:
+        _post_mode = previous
+
+
+# ----------------------------------------------------------------------------- sharding a model
+
+
+def fully_shard_blocks(model: nn.Module, mesh=None, *, blocks: str = "blocks", reshard_after_forward: bool = True,
+                       mp_policy=None) -> nn.Module:
+    """``fully_shard`` each module of ``model.<blocks>`` (one all-gather per block), then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
+          "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    with allow_flat_views():  # FSDP2 flattens each shard with view(-1): a raw-byte alias for block formats
+        for block in getattr(model, blocks):
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+    return model
+
+
+# ----------------------------------------------------------------------------- counting all-gather bytes
+
+
+@dataclasses.dataclass
+class AllGatherLog:
+    """What the all-gathers inside :func:`count_all_gathers` moved (this rank's view)."""
+
+    calls: list = dataclasses.field(default_factory=list)  # (input bytes, output bytes, dtype)
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes this rank contributed (padded shards included)."""
+        return sum(c[0] for c in self.calls)
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes every rank received (world size x input)."""
+        return sum(c[1] for c in self.calls)
+
+
+_GATHER_FNS = ("all_gather_into_tensor", "all_gather_single", "_all_gather_base")
+
+
+@contextlib.contextmanager
+def count_all_gathers() -> Iterator[AllGatherLog]:
+    """Record every ``torch.distributed`` all-gather-into-one-tensor call (what FSDP2 issues)."""
+    log = AllGatherLog()
+    saved = {name: getattr(dist, name) for name in _GATHER_FNS if hasattr(dist, name)}
+
+    def wrap(fn):
+        def counted(output_tensor, input_tensor, *args, **kwargs):
+            log.calls.append((input_tensor.numel() * input_tensor.element_size(),
+                              output_tensor.numel() * output_tensor.element_size(), str(input_tensor.dtype)))
+            return fn(output_tensor, input_tensor, *args, **kwargs)
+
+        return counted
+
+    for name, fn in saved.items():
+        setattr(dist, name, wrap(fn))
+    try:
+        yield log
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def expected_all_gather_bytes(model: nn.Module, param_dtype: torch.dtype | None = None) -> dict:
+    """Bytes one rank contributes to one all-gather of every FSDP2 parameter of ``model``.
+
+    Quantized parameters: their dim >= 1 buffers for ``ceil(N / ws)`` rows (0-d scales travel as
+    metadata); others: the padded shard in ``param_dtype`` (or their own dtype). Returns
+    ``{"quantized": ..., "plain": ..., "total": ..., "bf16_equivalent": ...}`` where
+    ``bf16_equivalent`` is what the same parameters would move as bf16.
+    """
+    out = {"quantized": 0, "plain": 0, "bf16_equivalent": 0}
+    for p in model.parameters():
+        loc = local_tensor(p)
+        ws = p.device_mesh.size() if hasattr(p, "device_mesh") else 1
+        rows = -(-p.shape[0] // ws)
+        per_row = math.prod(p.shape[1:])
+        out["bf16_equivalent"] += rows * per_row * 2
+        if is_quantized(p):
+            gathered, _ = split_buffers(loc)
+            for name in gathered:
+                b = loc.raw_buffers()[name]
+                ratio = dim0_granularity(loc) if b.shape[0] != loc.shape[0] else 1
+                out["quantized"] += rows // ratio * math.prod(b.shape[1:]) * b.element_size()
+        else:
+            out["plain"] += rows * per_row * (param_dtype or p.dtype).itemsize
+    out["total"] = out["quantized"] + out["plain"]
+    return out
+
+
+# ----------------------------------------------------------------------------- rank functions (lesson 06, tests)
+
+
+def rank_setup():
+    """``(mesh, device)`` for a rank function: a 1-D mesh over the world.
+
+    (CPU ranks already share the cores out: the launcher sets their thread counts.)
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tutorial_lib.dist.launcher import rank_device
+
+    dev = rank_device()
+    return init_device_mesh(dev.type, (dist.get_world_size(),)), dev
+
+
+@contextlib.contextmanager
+def record_quantized_dispatch() -> Iterator[list]:
+    """Log every op that reaches ``QuantizedTensor.__torch_dispatch__`` (after DTensor/FSDP2 did their part)."""
+    seen: list = []
+    original = QuantizedTensor.__dict__["__torch_dispatch__"]
+
+    def logged(cls, func, types, args=(), kwargs=None):
+        seen.append(str(func))
+        return original.__func__(cls, func, types, args, kwargs)
+
+    QuantizedTensor.__torch_dispatch__ = classmethod(logged)
+    try:
+        yield seen
+    finally:
+        QuantizedTensor.__torch_dispatch__ = original
+
+
+def _gather_rows(local: torch.Tensor) -> torch.Tensor:
+    """All ranks' dim-0 pieces of a plain tensor, concatenated (a manual all-gather, via pickled objects)."""
+    pieces = [None] * dist.get_world_size()
+    dist.all_gather_object(pieces, local.detach().cpu())
+    return torch.cat(pieces).to(local.device)
+
+
+def manual_unshard(p: torch.Tensor) -> dict:
+    """What the unsharded ``p`` must hold: every rank's rows of each buffer, and of the dequantized values."""
+    loc = local_tensor(p)
+    if not isinstance(loc, QuantizedTensor):
+        return {"values": _gather_rows(loc)}
+    gathered, replicated = split_buffers(loc)
+    out = {name: _gather_rows(loc.raw_buffers()[name]) for name in gathered}
+    for name in replicated:
+        out[name] = loc.raw_buffers()[name]
+    out["values"] = _gather_rows(loc.dequantize(torch.float32))
+    return out
+
+
+def _compare_unsharded(model: nn.Module) -> dict:
+    """Unshard every FSDP module; compare each unsharded parameter with :func:`manual_unshard`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    expected = {n: manual_unshard(p) for n, p in model.named_parameters()}
+    result = {}
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.unshard()
+    for n, p in model.named_parameters():  # now the unsharded parameters (plain or quantized, not DTensor)
+        exp = expected[n]
+        if isinstance(p, QuantizedTensor):
+            bufs = p.raw_buffers()
+            same = all(torch.equal(bufs[k], v) for k, v in exp.items() if k != "values")
+            values = p.dequantize(torch.float32)
+        else:
+            same, values = True, p.detach().float()
+        result[n] = {"buffers_equal": bool(same), "values_equal": bool(torch.equal(values, exp["values"].float())),
+                     "max_abs_err": float((values - exp["values"].float()).abs().max()),
+                     "max_abs": float(exp["values"].abs().max())}
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    return result
+
+
+def allgather_demo(dim: int = 64, hidden: int = 256, n_blocks: int = 2, recipe: str = "fp8", *,
+                   reshard_after_forward: bool = True, batch: int = 4) -> dict:
+    """Bytes all-gathered in one training step, FP8 vs bf16 (measured and expected); unshard vs manual gather."""
+    import torch.nn.functional as F
+
+    from tutorial_lib.models import BlockMLP
+    from tutorial_lib.dist.quantized_init import RECIPES, build_sharded_plain, build_sharded_quantized
+
+    mesh, dev = rank_setup()
+    bf16 = lambda: BlockMLP(dim, hidden, n_blocks, dtype=torch.bfloat16)  # noqa: E731
+    out = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
+    x = torch.ones(batch, dim, dtype=torch.bfloat16, device=dev)
+    with record_quantized_dispatch() as ops_init:
+        q_model = build_sharded_quantized(bf16, mesh, RECIPES[recipe](), dev,
+                                          reshard_after_forward=reshard_after_forward)
+    models = {recipe: q_model, "bf16": build_sharded_plain(bf16, mesh, dev,
+                                                           reshard_after_forward=reshard_after_forward)}
+    for name, model in models.items():
+        with count_all_gathers() as log, record_quantized_dispatch() as ops_step:
+            F.mse_loss(model(x).float(), torch.zeros(batch, dim, device=dev)).backward()
+        out[name] = {"measured": log.input_bytes, "calls": len(log.calls), "received": log.output_bytes,
+                     "expected": expected_all_gather_bytes(model), "unshard": _compare_unsharded(model)}
+        if name == recipe:
+            out["ops_in_init"], out["ops_in_step"] = sorted(set(ops_init)), sorted(set(ops_step))
+    return out
+
+
+def pitfall_demo(dim: int = 32, hidden: int = 64, batch: int = 4) -> dict:
+    """The two traps of lesson 06, reproduced and fixed: per-shard scales and the version counter."""
+    from tutorial_lib.models import BlockMLP
+    from tutorial_lib.dist.quantized_init import build_sharded_quantized, fp8_recipe
+
+    mesh, dev = rank_setup()
+    build = lambda: BlockMLP(dim, hidden, 1, seed=0)  # noqa: E731
+    x = counter_uniform_batch(batch, dim, dev)
+    out = {"rank": dist.get_rank()}
+    for share in (False, True):  # 1. every shard with its own scale vs one all-reduced scale
+        model = build_sharded_quantized(build, mesh, fp8_recipe(), dev, share_scales=share)
+        w = local_tensor(model.blocks[0].fc1.weight)
+        hp = w.dequantize(torch.float32)
+        if dist.get_rank() == dist.get_world_size() - 1:
+            hp *= 64.0  # an outlier region: the last rank's rows are 64x larger than the others
+        with torch.no_grad():
+            w.copy_(hp)  # requantize through the quantizer: per shard, or with the amax all-reduce
+        cmp = _compare_unsharded(model)["blocks.0.fc1.weight"]
+        out[f"share_scales={share}"] = {"scale_inv": float(local_tensor(model.blocks[0].fc1.weight).scale_inv),
+                                        **cmp}
+        try:
+            with verify_shared_scales():
+                model(x).sum().backward()
+            out[f"share_scales={share}"]["verify"] = "ok"
+        except ScaleMismatchError as exc:
+            out[f"share_scales={share}"]["verify"] = f"ScaleMismatchError: {exc}"
+    for mode in ("copy", "alias"):  # 2. filling `out` with copy_ vs aliasing the all-gather output
+        model = build_sharded_quantized(build, mesh, fp8_recipe(), dev, reshard_after_forward=True)
+        try:
+            with post_all_gather_mode(mode):
+                for _ in range(2):  # the second forward's all-gathers are the first to pass `out=`
+                    model(x).sum().backward()
+            out[f"post_all_gather={mode}"] = "ok"
+        except RuntimeError as exc:
+            out[f"post_all_gather={mode}"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def counter_uniform_batch(batch: int, dim: int, device) -> torch.Tensor:
+    """A deterministic input batch, the same on every rank."""
+    from tutorial_lib.models import counter_uniform
+
+    return counter_uniform(1234, "input", (batch, dim), device=device)
+
+
+def run_sequence(calls: list) -> list:
+    """Run several rank functions ``[(fn, kwargs), ...]`` in ONE launch (each launch costs seconds to start)."""
+    out = []
+    for fn, kwargs in calls:
+        out.append(fn(**kwargs))
+        dist.barrier()
+    return out
+
+
+# ----------------------------------------------------------------------------- benchmark rank function
+
+
+def _replay(calls: list, dev):
+    """A function issuing the same all-gathers (sizes, dtypes) as one logged step, on fresh buffers."""
+    bufs = []
+    ws = dist.get_world_size()
+    for in_bytes, _, dtype in calls:
+        dt = getattr(torch, dtype.replace("torch.", ""))
+        n = in_bytes // dt.itemsize
+        bufs.append((torch.empty(n * ws, dtype=dt, device=dev), torch.zeros(n, dtype=dt, device=dev)))
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # 2.13 renamed it
+
+    def run():
+        for out, inp in bufs:
+            gather(out, inp)
+
+    return run
+
+
+def allgather_benchmark(dim: int, hidden: int, n_blocks: int, tokens: int, reps: int) -> dict:
+    """FP8 vs bf16 FSDP2 all-gathers of the same BlockMLP, same run: bytes, all-gather time, step time.
+
+    Per variant: all-gather bytes of one forward+backward (counted), the time of those all-gathers
+    replayed alone (same sizes, fixed reps, max over ranks), the all-gather kernel time inside real
+    steps (CUDA profiler), and the step time.
+    """
+    from tutorial_lib.models import BlockMLP, counter_uniform
+    from tutorial_lib.dist.quantized_init import build_sharded_plain, build_sharded_quantized, fp8_recipe
+
+    mesh, dev = rank_setup()
+    bf16 = lambda: BlockMLP(dim, hidden, n_blocks, dtype=torch.bfloat16)  # noqa: E731
+    x = counter_uniform(0, "bench-input", (tokens, dim), dtype=torch.bfloat16, device=dev)
+    out = {"params": None, "variants": {}}
+    for name in ("bf16", "fp8"):
+        model = (build_sharded_plain(bf16, mesh, dev) if name == "bf16"
+                 else build_sharded_quantized(bf16, mesh, fp8_recipe(), dev))
+        out["params"] = sum(p.numel() for p in model.parameters())
+
+        def step(model=model):
+            model(x).float().square().mean().backward()
+            model.zero_grad(set_to_none=True)
+
+        step()
+        with count_all_gathers() as log:
+            step()
+        r = {"bytes": log.input_bytes, "received": log.output_bytes, "calls": len(log.calls),
+             "expected": expected_all_gather_bytes(model),
+             "weights": [(tuple(p.shape), is_quantized(p)) for p in model.parameters()],
+             "allgather_replay_ms": median_ms_all_ranks(_replay(log.calls, dev), dev, reps),
+             "step_ms": median_ms_all_ranks(step, dev, reps)}
+        if dev.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(reps):
+                    step()
+                torch.cuda.synchronize(dev)
+            # device-side NCCL kernels only ("ncclDevKernel_AllGather_..."): the CPU-side c10d ops that
+            # launched them report the same time again as their children's.
+            us = sum(e.device_time_total for e in prof.key_averages()
+                     if "allgather" in e.key.lower() and e.device_type == torch.autograd.DeviceType.CUDA)
+            t = torch.tensor(us / 1e3 / reps, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            r["allgather_kernel_ms_in_step"] = float(t)
+        out["variants"][name] = r
+        del model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    return out

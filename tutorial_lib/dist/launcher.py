@@ -1,0 +1,392 @@
+"""Run an importable function on ``world_size`` ranks and get every rank's result back.
+
+This is how a notebook cell (or a test, or your own script) runs distributed code::
+
+    from tutorial_lib.dist.launcher import launch, rank_device
+    from tutorial_lib.demo import allreduce_demo      # must live in an importable module
+
+    results = launch(allreduce_demo, world_size=2, device="auto", args=(4,), timeout=60)
+    results[0]   # rank 0's return value (tensors come back on the CPU)
+
+How it works::
+
+    caller (Jupyter kernel / pytest)                  rank r (spawned by torch.multiprocessing)
+    ───────────────────────────────                   ─────────────────────────────────────────
+    tmp = mkdtemp("tutorial-launch-")                 stdout/stderr (fd 1, 2) -> tmp/rank{r}.log
+    store = TCPStore(port=0)  # OS picks a free port  TMPDIR = tmp/rank{r}.tmp
+    start_processes(_rank_main, nprocs=world_size) -> init_process_group(store=TCPStore(port),
+    poll: tail logs -> print "[rank r] ..." in cell      timeout=collective_timeout)
+          ProcessContext.join(): a rank failed?       result = fn(*args, **kwargs)
+          deadline passed? -> terminate, raise        pickle result -> tmp/rank{r}.result
+    read results, rmtree(tmp)                         (or traceback -> tmp/rank{r}.error)
+                                                      os._exit(0)  # skip gloo's exit-time abort
+
+Design choices, each for a measured reason (see ``shared/FACTS.md``):
+
+* **torch's own process machinery** (``torch.multiprocessing.start_processes`` with ``spawn``):
+  children die with the kernel (parent-death signal), and a failed rank terminates the rest.
+* **The caller binds the rendezvous port** (``TCPStore`` on port 0), so concurrent launches
+  on one machine can never pick the same port, and **each launch has its own temp dir**,
+  removed on success and failure alike; ranks' ``TMPDIR`` points inside it.
+* **Every rank's output goes to a file the caller tails**: in Jupyter a child's fd 1 is not
+  the cell, so output is re-printed by the caller, prefixed with ``[rank r]``.
+* **A short collective timeout** (``collective_timeout``) turns a mismatched collective into
+  an error in seconds instead of gloo's default 30 minutes, and the overall ``timeout`` kills
+  ranks that hang outside collectives.
+* **CUDA ranks get ``CUBLAS_WORKSPACE_CONFIG=:4096:8``** unless it is set: without it cuBLAS is
+  not run-to-run deterministic when FSDP2 issues work from several streams, and lessons 06 and 09
+  compare runs bit for bit (:func:`tutorial_lib.dist.runtime.deterministic_cuda`).
+* **Workers leave with ``os._exit``** after their result is on disk: gloo's native threads
+  otherwise abort about 5% of jobs at interpreter shutdown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import datetime
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
+
+from tutorial_lib.dist.runtime import CUBLAS_DETERMINISTIC_WORKSPACE, backend_for, resolve_device
+
+__all__ = ["launch", "rank_device", "run_sequence", "LaunchError", "LaunchTimeout", "RankFailed"]
+
+_RANK_DEVICE: torch.device | None = None
+
+
+class LaunchError(RuntimeError):
+    """A distributed launch did not produce a result on every rank."""
+
+
+class RankFailed(LaunchError):
+    """A rank raised or died; the message carries that rank's traceback or exit signal."""
+
+    def __init__(self, message: str, rank: int):
+        super().__init__(message)
+        self.rank = rank
+
+
+class LaunchTimeout(LaunchError, TimeoutError):
+    """The launch ran past its ``timeout``; every rank was killed."""
+
+
+def rank_device() -> torch.device:
+    """The device of the calling rank (``cuda:<rank>`` or ``cpu``); only valid inside ``launch``."""
+    if _RANK_DEVICE is None:
+        raise RuntimeError("rank_device() is only available inside a function run by launch()")
+    return _RANK_DEVICE
+
+
+def run_sequence(calls: list) -> list:
+    """A rank function that runs several rank functions ``[(fn, kwargs), ...]`` in ONE launch.
+
+    Starting ranks costs seconds (processes, imports, rendezvous); a lesson cell or a test that
+    needs several experiments passes them as one list: ``launch(run_sequence, args=([(f, {}),
+    (g, {"n": 3})],))`` returns, per rank, ``[f(), g(n=3)]``. A barrier separates the calls.
+    """
+    out = []
+    for fn, kwargs in calls:
+        out.append(fn(**kwargs))
+        dist.barrier()
+    return out
+
+
+def _to_cpu(obj: Any) -> Any:
+    """Move tensors in a (nested) result to the CPU so the caller never initialises CUDA."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # typed results of rank functions
+        return dataclasses.replace(obj, **{f.name: _to_cpu(getattr(obj, f.name))
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    device_type: str,
+    port: int,
+    tmp: str,
+    collective_timeout: float,
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+) -> None:
+    """Body of one spawned rank. Every exit path ends in ``os._exit``."""
+    global _RANK_DEVICE
+    log = os.open(os.path.join(tmp, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    rank_tmp = os.path.join(tmp, f"rank{rank}.tmp")
+    os.makedirs(rank_tmp, exist_ok=True)
+    os.environ["TMPDIR"] = rank_tmp
+    tempfile.tempdir = None
+    code = 1
+    try:
+        os.environ.update(
+            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        )
+        if device_type == "cuda":
+            # before any cuBLAS call: deterministic across streams, so lessons can compare runs bit for bit
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+            torch.cuda.set_device(rank)
+            _RANK_DEVICE = torch.device("cuda", rank)
+        else:
+            _RANK_DEVICE = torch.device("cpu")
+            if "OMP_NUM_THREADS" not in os.environ:
+                # N ranks each running one thread per core oversubscribe the CPU: elementwise ops
+                # were measured ~100x slower on 2 cores. Share the cores out instead.
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        timeout = datetime.timedelta(seconds=collective_timeout)
+        try:
+            _inject_rendezvous_fault(rank)
+            store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+            dist.init_process_group(
+                backend_for(device_type), store=store, rank=rank, world_size=world_size, timeout=timeout
+            )
+        except BaseException:  # noqa: B036 - marks a failed rendezvous: the launch may be retried
+            open(os.path.join(tmp, f"rank{rank}.rendezvous_failed"), "w").close()
+            raise
+        result = _to_cpu(fn(*args, **kwargs))
+        with open(os.path.join(tmp, f"rank{rank}.result.part"), "wb") as fh:
+            pickle.dump(result, fh)
+        os.replace(os.path.join(tmp, f"rank{rank}.result.part"), os.path.join(tmp, f"rank{rank}.result"))
+        dist.destroy_process_group()
+        code = 0
+    except BaseException:  # noqa: B036 - KeyboardInterrupt is how the parent's death reaches us
+        with open(os.path.join(tmp, f"rank{rank}.error"), "w") as fh:
+            fh.write(traceback.format_exc())
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _inject_rendezvous_fault(rank: int) -> None:
+    """Fault injection for the launcher's tests: if ``TUTORIAL_LAUNCH_FAULT`` names a file that does
+    not exist yet, rank 1 creates it and fails its rendezvous (so exactly one attempt fails)."""
+    path = os.environ.get("TUTORIAL_LAUNCH_FAULT")
+    if path and rank == 1 and not os.path.exists(path):
+        open(path, "w").close()
+        raise RuntimeError("Gloo connectFullMesh failed (injected by TUTORIAL_LAUNCH_FAULT)")
+
+
+class _LogTail:
+    """Re-print what the ranks write, line by line, prefixed with their rank."""
+
+    def __init__(self, tmp: str, world_size: int, echo: bool):
+        self.paths = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
+        self.offsets = [0] * world_size
+        self.partial = [""] * world_size
+        self.last_lines: list[list[str]] = [[] for _ in range(world_size)]
+        self.echo = echo
+
+    def pump(self, final: bool = False) -> None:
+        for rank, path in enumerate(self.paths):
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(self.offsets[rank])
+                    chunk = fh.read()
+            except FileNotFoundError:
+                continue
+            self.offsets[rank] += len(chunk)
+            text = self.partial[rank] + chunk.decode("utf-8", errors="replace")
+            lines = text.split("\n")
+            self.partial[rank] = "" if final else lines.pop()
+            for line in lines:
+                if final and not line:
+                    continue
+                self.last_lines[rank] = (self.last_lines[rank] + [line])[-20:]
+                if self.echo:
+                    print(f"[rank {rank}] {line}", flush=True)
+
+
+def _stop(context: mp.ProcessContext, grace: float = 3.0) -> None:
+    """Terminate, then kill, every rank still alive, and reap them all."""
+    alive = [p for p in context.processes if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + grace
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in context.processes:
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
+def _failure_message(
+    tmp: str, world_size: int, context: mp.ProcessContext, tail: _LogTail, first: int | None = None
+) -> RankFailed:
+    """The error for the rank that failed first (``first``, as torch's join saw it), with its
+    traceback or exit signal and last output; ranks that failed afterwards are named too."""
+    errors = {}
+    for r in range(world_size):
+        path = os.path.join(tmp, f"rank{r}.error")
+        if os.path.exists(path):
+            with open(path) as fh:
+                errors[r] = fh.read()
+    died = {
+        r: p.exitcode for r, p in enumerate(context.processes)
+        if p.exitcode not in (0, None) and r not in errors
+    }
+    if first is None or (first not in errors and first not in died):
+        candidates = sorted(died) or sorted(errors)
+        first = candidates[0] if candidates else -1
+    if first in errors:
+        msg = f"rank {first} of {world_size} raised:\n{errors[first]}"
+    elif first in died:
+        code = died[first]
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        out = "\n".join(tail.last_lines[first]) or "(none)"
+        msg = f"rank {first} of {world_size} died with {how} (no Python traceback); its last output:\n{out}"
+    else:
+        msg = f"the launch on {world_size} ranks ended without a result from every rank"
+    others = sorted((set(errors) | set(died)) - {first})
+    if others:
+        msg += f"\n(ranks {others} failed afterwards, most likely waiting on rank {first})"
+    return RankFailed(msg, first)
+
+
+def launch(
+    fn: Callable,
+    world_size: int = 2,
+    device: str | torch.device = "auto",
+    args: tuple = (),
+    kwargs: dict | None = None,
+    timeout: float = 300.0,
+    collective_timeout: float = 60.0,
+    echo: bool = True,
+) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
+
+    Args:
+        fn: a function defined in an importable module (not in a notebook: spawned ranks
+            import it by name). Inside it the default process group is initialised and
+            :func:`rank_device` names this rank's device.
+        world_size: number of ranks. On CUDA it must not exceed the visible GPUs.
+        device: ``"auto"``, ``"cpu"``, ``"cuda"`` or a ``torch.device``.
+        args, kwargs: picklable arguments passed to every rank.
+        timeout: seconds until the whole launch is abandoned and every rank killed.
+        collective_timeout: process-group timeout; a collective that waits longer fails.
+        echo: re-print the ranks' output as ``[rank r] ...``.
+
+    Raises:
+        RankFailed: a rank raised (message holds its traceback) or died (its signal).
+        LaunchTimeout: ``timeout`` passed; every rank has been killed.
+        ValueError: bad ``world_size`` (e.g. more ranks than GPUs).
+    """
+    kwargs = kwargs or {}
+    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if dev.type == "cuda" and world_size > torch.cuda.device_count():
+        raise ValueError(
+            f"world_size {world_size} needs one GPU per rank, but only {torch.cuda.device_count()} "
+            "GPU(s) are visible; lower world_size or use device='cpu'"
+        )
+    if getattr(fn, "__module__", None) in (None, "__main__") or "<locals>" in fn.__qualname__:
+        raise ValueError(
+            f"{fn.__qualname__} must be defined at the top level of an importable module: spawned "
+            "ranks import it by name, and a function defined in a notebook or script cannot be found there"
+        )
+    for attempt in range(1 + _RENDEZVOUS_RETRIES):
+        try:
+            return _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout, echo)
+        except _RendezvousFailed as exc:
+            if attempt == _RENDEZVOUS_RETRIES:
+                raise exc.error from None
+            print(f"[launcher] rendezvous failed before {fn.__qualname__} ran ({exc.error.args[0].splitlines()[-1]}); "
+                  "retrying once with a fresh port", flush=True)
+    raise AssertionError("unreachable")
+
+
+class _RendezvousFailed(Exception):
+    """A rank failed inside init_process_group, before user code ran: safe to launch again."""
+
+    def __init__(self, error: RankFailed):
+        super().__init__(str(error))
+        self.error = error
+
+
+# gloo's full-mesh connect occasionally fails under heavy load on one machine ("connectFullMesh
+# failed ... Connection closed by peer"); no user code has run then, so one fresh attempt is safe.
+_RENDEZVOUS_RETRIES = 1
+
+
+def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout, echo) -> list:
+    """One attempt: spawn, supervise, collect; see the module docstring for the protocol."""
+    tmp = tempfile.mkdtemp(prefix="tutorial-launch-")
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size + 1, True, datetime.timedelta(seconds=collective_timeout),
+        wait_for_workers=False,
+    )
+    tail = _LogTail(tmp, world_size, echo)
+    context = None
+    try:
+        context = mp.start_processes(
+            _rank_main,
+            args=(world_size, dev.type, store.port, tmp, collective_timeout, fn, args, kwargs),
+            nprocs=world_size, join=False, start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            tail.pump()
+            try:
+                if context.join(timeout=0.2, grace_period=3.0):
+                    break
+            except ProcessException as exc:
+                _stop(context)
+                tail.pump(final=True)
+                error = _failure_message(tmp, world_size, context, tail, exc.error_index)
+                if os.path.exists(os.path.join(tmp, f"rank{error.rank}.rendezvous_failed")):
+                    raise _RendezvousFailed(error) from None
+                raise error from None
+            if time.monotonic() > deadline:
+                running = [r for r, p in enumerate(context.processes) if p.is_alive()]
+                _stop(context)
+                tail.pump(final=True)
+                last = "\n".join(
+                    f"  rank {r}: " + (tail.last_lines[r][-1] if tail.last_lines[r] else "(no output)")
+                    for r in running
+                )
+                raise LaunchTimeout(
+                    f"launch of {fn.__qualname__} on {world_size} ranks timed out after {timeout:g} s; "
+                    f"ranks {running} were still running and have been killed. Last output:\n{last}"
+                )
+        tail.pump(final=True)
+        results = []
+        for r in range(world_size):
+            path = os.path.join(tmp, f"rank{r}.result")
+            if not os.path.exists(path):
+                raise _failure_message(tmp, world_size, context, tail)
+            with open(path, "rb") as fh:
+                results.append(pickle.load(fh))
+        return results
+    finally:
+        if context is not None:
+            _stop(context)
+        del store
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,62 @@
+"""Self-check helpers for lessons.
+
+A lesson's claims are asserted in cells tagged ``self-check``. Each check prints a line
+that starts with :data:`PASS_MARK`; the notebook harness (``tutorial_lib.harness.notebooks``)
+fails a run in which a self-check cell did not execute or printed no such line, so a
+lesson cannot pass by skipping its checks.
+
+Example::
+
+    from tutorial_lib.harness.checks import check, check_close
+    check(loss_fp8 < 1.1 * loss_bf16, "FP8 loss within 10% of bf16")
+    check_close(ours, ref, rtol=2**-4, atol=0, what="E4M3 round trip")
+"""
+
+from __future__ import annotations
+
+import torch
+
+PASS_MARK = "CHECK PASSED:"
+FAIL_MARK = "CHECK FAILED:"
+
+
+class SelfCheckError(AssertionError):
+    """A lesson's claim did not hold."""
+
+
+def check(condition, message: str) -> None:
+    """Assert ``condition`` and print a pass line the harness counts; fail loudly otherwise."""
+    if isinstance(condition, torch.Tensor):
+        if condition.numel() != 1:
+            raise TypeError(f"check() needs a single boolean, got a tensor of shape {tuple(condition.shape)}")
+        condition = bool(condition.item())
+    if not condition:
+        raise SelfCheckError(f"{FAIL_MARK} {message}")
+    print(f"{PASS_MARK} {message}", flush=True)
+
+
+def check_close(actual, expected, *, rtol: float, atol: float, what: str) -> None:
+    """``torch.testing.assert_close`` with a pass line; the failure message names ``what``."""
+    try:
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    except AssertionError as exc:
+        raise SelfCheckError(f"{FAIL_MARK} {what}: {exc}") from None
+    print(f"{PASS_MARK} {what} (rtol={rtol:g}, atol={atol:g})", flush=True)
+
+
+def check_equal(actual, expected, what: str) -> None:
+    """Bit-exact equality of two tensors (or plain values), with a pass line."""
+    if isinstance(actual, torch.Tensor):
+        def raw(t):  # float8 tensors cannot be compared directly on every build: compare their bytes
+            return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+        same = (
+            actual.shape == expected.shape
+            and actual.dtype == expected.dtype
+            and torch.equal(raw(actual), raw(expected))
+        )
+    else:
+        same = actual == expected
+    if not same:
+        raise SelfCheckError(f"{FAIL_MARK} {what}: {actual!r} != {expected!r}")
+    print(f"{PASS_MARK} {what}", flush=True)

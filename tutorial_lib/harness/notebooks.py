@@ -1,0 +1,248 @@
+"""Execute the lessons headless with papermill, check they really ran, render them to HTML.
+
+The same code runs the main job (``make lessons``), the test suite's notebook tests and
+GPU-node runs::
+
+    python -m tutorial_lib.harness.notebooks run                       # every lesson, this machine's hardware
+    python -m tutorial_lib.harness.notebooks run notebooks/00_start_here.ipynb --device cpu --world-size 2
+    python -m tutorial_lib.harness.notebooks strip notebooks/*.ipynb    # remove outputs before committing
+
+What counts as a passing lesson::
+
+    papermill executes every cell (kernel "python3", per-cell timeout)  -> no cell raised
+    every code cell has an execution count                              -> nothing was skipped
+    >= 1 cell tagged "self-check", each printed "CHECK PASSED: ..."     -> the claims were asserted
+
+On CPU ``TRITON_INTERPRET=1`` is set for the kernel so Triton kernels run in the interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+
+from tutorial_lib.harness.checks import PASS_MARK
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK_DIR = REPO_ROOT / "notebooks"
+DEFAULT_OUT = REPO_ROOT / "output"
+KERNEL_NAME = "python3"
+SELF_CHECK_TAG = "self-check"
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class LessonFailed(AssertionError):
+    """A lesson raised, timed out, or did not run its code and self-checks."""
+
+
+@dataclass
+class LessonRun:
+    """The outcome of one executed lesson."""
+
+    source: Path
+    executed: Path
+    seconds: float
+    code_cells: int
+    checks_passed: int
+    parameters: dict = field(default_factory=dict)
+
+
+def lessons(directory: Path = NOTEBOOK_DIR) -> list[Path]:
+    """The lesson notebooks, in curriculum order (by file name)."""
+    return sorted(p for p in Path(directory).glob("[0-9][0-9]_*.ipynb"))
+
+
+def default_parameters(device: str = "auto") -> dict:
+    """Lesson parameters for this machine: all local GPUs, or 2 CPU ranks in quick mode."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        return {"device": "cuda", "world_size": max(1, torch.cuda.device_count()), "quick": False}
+    return {"device": "cpu", "world_size": 2, "quick": True}
+
+
+def _text_outputs(cell) -> str:
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            parts.append(out.get("text", ""))
+        elif out.get("output_type") in ("execute_result", "display_data"):
+            parts.append(out.get("data", {}).get("text/plain", ""))
+    return "".join(parts)
+
+
+def verify_executed(nb) -> tuple[int, int]:
+    """The "ran nothing" guard: every code cell ran and every self-check cell passed a check.
+
+    Returns (code cells executed, checks passed); raises :class:`LessonFailed` otherwise.
+    """
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    real = [c for c in code if c.source.strip()]
+    if not real:
+        raise LessonFailed("the notebook has no code: it ran nothing")
+    skipped = [i for i, c in enumerate(code) if c.source.strip() and c.get("execution_count") is None]
+    if skipped:
+        raise LessonFailed(f"code cells {skipped} were never executed")
+    checks = [c for c in code if SELF_CHECK_TAG in c.get("metadata", {}).get("tags", [])]
+    if not checks:
+        raise LessonFailed(f"no cell is tagged {SELF_CHECK_TAG!r}: the lesson asserts none of its claims")
+    passed = 0
+    for c in checks:
+        n = _text_outputs(c).count(PASS_MARK)
+        if n == 0:
+            first = c.source.strip().splitlines()[0]
+            raise LessonFailed(f"self-check cell starting {first!r} printed no {PASS_MARK!r} line: it checked nothing")
+        passed += n
+    return len(real), passed
+
+
+def _describe_failure(exc: BaseException) -> str:
+    """Cell source and traceback of a papermill failure, without terminal colours."""
+    src = getattr(exc, "source", None)
+    tb = getattr(exc, "traceback", None)
+    if src is not None and tb is not None:
+        head = f"cell {getattr(exc, 'cell_index', '?')} (execution count {getattr(exc, 'exec_count', '?')})"
+        body = _ANSI.sub("", "\n".join(tb))
+        return f"{head} failed.\n--- cell source ---\n{src}\n--- traceback ---\n{body}"
+    return _ANSI.sub("", f"{type(exc).__name__}: {exc}")
+
+
+def run_lesson(
+    path: str | Path,
+    out_dir: str | Path = DEFAULT_OUT / "executed",
+    *,
+    device: str = "auto",
+    world_size: int | None = None,
+    quick: bool | None = None,
+    cell_timeout: float = 600,
+    extra_parameters: dict | None = None,
+) -> LessonRun:
+    """Execute one lesson with papermill and verify it; raise :class:`LessonFailed` on any failure."""
+    import papermill
+
+    path = Path(path)
+    params = default_parameters(device)
+    if world_size is not None:
+        params["world_size"] = world_size
+    if quick is not None:
+        params["quick"] = quick
+    params.update(extra_parameters or {})
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    executed = out_dir / path.name
+    if params["device"] == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # inherited by the kernel papermill starts
+    start = time.monotonic()
+    try:
+        papermill.execute_notebook(
+            str(path), str(executed), parameters=params, kernel_name=KERNEL_NAME,
+            execution_timeout=cell_timeout, progress_bar=False, cwd=str(path.parent), log_output=False,
+        )
+    except Exception as exc:  # papermill's cell errors, nbclient's timeouts, dead kernels
+        raise LessonFailed(f"{path.name} failed ({params}):\n{_describe_failure(exc)}") from None
+    seconds = time.monotonic() - start
+    try:
+        cells, checks = verify_executed(nbformat.read(executed, as_version=4))
+    except LessonFailed as exc:
+        raise LessonFailed(f"{path.name}: {exc}") from None
+    return LessonRun(path, executed, seconds, cells, checks, params)
+
+
+def render_html(executed: list[Path], html_dir: Path) -> Path:
+    """Render executed notebooks to HTML next to an index page; return the index path."""
+    from nbconvert import HTMLExporter
+
+    html_dir.mkdir(parents=True, exist_ok=True)
+    exporter = HTMLExporter()
+    links = []
+    for nb_path in executed:
+        body, _ = exporter.from_filename(str(nb_path))
+        target = html_dir / (nb_path.stem + ".html")
+        target.write_text(body, encoding="utf-8")
+        links.append(f'<li><a href="{html.escape(target.name)}">{html.escape(nb_path.stem)}</a></li>')
+    index = html_dir / "index.html"
+    index.write_text(
+        "<!doctype html><title>Lessons</title><h1>Executed lessons</h1><ul>" + "".join(links) + "</ul>",
+        encoding="utf-8",
+    )
+    return index
+
+
+def strip_outputs(path: str | Path) -> bool:
+    """Remove outputs and execution counts in place; return True if the file changed."""
+    nb = nbformat.read(path, as_version=4)
+    changed = False
+    for cell in nb.cells:
+        if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None):
+            cell.outputs, cell.execution_count, changed = [], None, True
+        for key in ("execution", "collapsed", "scrolled"):
+            if key in cell.metadata:
+                del cell.metadata[key]
+                changed = True
+    if changed:
+        nbformat.write(nb, path)
+    return changed
+
+
+def has_outputs(path: str | Path) -> bool:
+    """True if a notebook carries outputs or execution counts (committed notebooks must not)."""
+    nb = nbformat.read(path, as_version=4)
+    return any(c.cell_type == "code" and (c.outputs or c.execution_count is not None) for c in nb.cells)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tutorial_lib.harness.notebooks", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="execute lessons, verify them, render HTML")
+    run.add_argument("paths", nargs="*", help="lessons to run (default: all in notebooks/)")
+    run.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    run.add_argument("--world-size", type=int, default=None)
+    mode = run.add_mutually_exclusive_group()
+    mode.add_argument("--quick", dest="quick", action="store_true", default=None)
+    mode.add_argument("--full", dest="quick", action="store_false")
+    run.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    run.add_argument("--cell-timeout", type=float, default=900)
+    run.add_argument("--no-html", action="store_true")
+    strip = sub.add_parser("strip", help="remove outputs from notebooks in place")
+    strip.add_argument("paths", nargs="+")
+    args = parser.parse_args(argv)
+
+    if args.cmd == "strip":
+        for p in args.paths:
+            print(("stripped " if strip_outputs(p) else "clean    ") + p)
+        return 0
+
+    paths = [Path(p) for p in args.paths] or lessons()
+    executed, failures = [], []
+    for p in paths:
+        try:
+            r = run_lesson(p, args.out / "executed", device=args.device, world_size=args.world_size,
+                           quick=args.quick, cell_timeout=args.cell_timeout)
+        except LessonFailed as exc:
+            failures.append(p.name)
+            print(f"FAIL {p.name}\n{exc}", file=sys.stderr, flush=True)
+            executed.append(args.out / "executed" / p.name) if (args.out / "executed" / p.name).exists() else None
+            continue
+        executed.append(r.executed)
+        print(f"ok   {p.name}  {r.seconds:6.1f} s  {r.code_cells} cells  {r.checks_passed} checks  {r.parameters}",
+              flush=True)
+    print(f"executed notebooks: {(args.out / 'executed').resolve()}")
+    if executed and not args.no_html:
+        index = render_html(executed, args.out / "html")
+        print(f"HTML rendering:     {index.resolve()}")
+    print(f"{len(paths) - len(failures)} passed, {len(failures)} failed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,340 @@
+"""FusedAdam on N ranks: the rank functions lesson 07, the FSDP2 tests and the 2-GPU benchmark run.
+
+Each function runs inside :func:`tutorial_lib.dist.launcher.launch` (process group initialised, one
+device per rank) and returns plain picklable results::
+
+    from tutorial_lib.dist.launcher import launch
+    from tutorial_lib.lessons.triton_fused_adam import fsdp2_fused_vs_torch
+    per_rank = launch(fsdp2_fused_vs_torch, world_size=2, device="cpu", args=(10,))
+
+* :func:`fsdp2_fused_vs_torch` -- one model, ``fully_shard`` ed twice (uneven and empty shards
+  included), trained with ``torch.optim.AdamW`` and with ``FusedAdam`` on the same batches.
+* :func:`fsdp2_dcp_roundtrip` -- DCP save/load of the FSDP2 model and FusedAdam state (fp32
+  masters included); the resumed run must continue bit for bit.
+* :func:`quantized_dtensor_step` -- DTensor parameters whose local shards are per-tensor FP8
+  (delayed scaling, fused kernel path) and current-scaling FP8 (requantize path), with amax
+  all-reduced over the group; compared with the reference AdamW on the fp32 shards.
+* :func:`dtensor_overhead` -- step time on DTensor parameters vs the same local tensors as plain
+  parameters, for torch's AdamW and for FusedAdam (many small parameters).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+
+from tutorial_lib.optim.adamw_reference import adamw_reference_step_
+from tutorial_lib.optim.fused_adam import HP_INIT_ATTR, FusedAdam
+from tutorial_lib.dist.launcher import rank_device
+
+__all__ = ["fsdp2_fused_vs_torch", "fsdp2_dcp_roundtrip", "quantized_dtensor_step", "dtensor_overhead",
+           "lesson07_experiments", "fused_adam_fsdp2_checks", "small_mlp"]
+
+
+def small_mlp(seed: int = 0) -> nn.Sequential:
+    """Odd sizes on purpose: 13 and 7 rows do not split evenly over 2 ranks, and the last layer's
+    weight [1, 7] and bias [1] leave rank 1 with EMPTY shards."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 13), nn.GELU(), nn.Linear(13, 7), nn.GELU(), nn.Linear(7, 1))
+
+
+def fsdp2_fused_vs_torch(steps: int = 10, lr: float = 1e-2, weight_decay: float = 0.1, seed: int = 0) -> dict:
+    """Train two FSDP2 copies of :func:`small_mlp` (torch AdamW vs FusedAdam); compare every step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = rank_device()
+    mesh = init_device_mesh(dev.type, (world,))
+    ref_model, fused_model = (_sharded_mlp(seed, torch.float32, mesh) for _ in range(2))
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=lr, weight_decay=weight_decay)
+    fused_opt = FusedAdam(fused_model.parameters(), lr=lr, weight_decay=weight_decay)
+    gen = torch.Generator().manual_seed(seed + 1000 * (rank + 1))  # each rank its own batches
+    losses, max_diff = [], []
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=gen).to(dev)
+        y = torch.randn(8, 1, generator=gen).to(dev)
+        step_losses = []
+        for model, opt in ((ref_model, ref_opt), (fused_model, fused_opt)):
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            step_losses.append(loss.item())
+        losses.append(step_losses)
+        max_diff.append(max(
+            (a.to_local() - b.to_local()).abs().max().item() if a.to_local().numel() else 0.0
+            for a, b in zip(ref_model.parameters(), fused_model.parameters())
+        ))
+    state_ok = []
+    for p in fused_model.parameters():
+        st = fused_opt.state[p]
+        state_ok.append(all(isinstance(st[k], DTensor) and st[k].placements == p.placements
+                            and st[k].shape == p.shape for k in ("exp_avg", "exp_avg_sq")))
+    return {
+        "rank": rank,
+        "losses": losses,
+        "max_abs_diff_per_step": max_diff,
+        "max_abs_param": max(p.to_local().abs().max().item() for p in ref_model.parameters()
+                             if p.to_local().numel()),
+        "local_shapes": [tuple(p.to_local().shape) for p in fused_model.parameters()],
+        "state_is_dtensor_like_param": all(state_ok),
+        "steps": [fused_opt.state[p]["step"].item() for p in fused_model.parameters()],
+        "ref_steps": [ref_opt.state[p]["step"].item() for p in ref_model.parameters()],
+    }
+
+
+def _sharded_mlp(seed: int, dtype: torch.dtype, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    model = small_mlp(seed).to(device=rank_device(), dtype=dtype)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _train(model, opt, steps: range, seed: int, dtype: torch.dtype) -> list[float]:
+    losses = []
+    for step in steps:  # batches depend only on (seed, rank, step): a resumed run sees the same data
+        gen = torch.Generator().manual_seed(seed + 1000 * dist.get_rank() + step)
+        x = torch.randn(8, 16, generator=gen).to(rank_device(), dtype)
+        y = torch.randn(8, 1, generator=gen).to(rank_device(), dtype)
+        loss = nn.functional.mse_loss(model(x).float(), y.float())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def fsdp2_dcp_roundtrip(checkpoint_dir: str, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
+                        seed: int = 0) -> dict:
+    """Per dtype: save FSDP2 model + FusedAdam state with DCP after 3 steps, train 2 more; load the
+    checkpoint into a freshly built (differently initialised) model + optimizer, train the same 2.
+
+    With ``bfloat16`` the optimizer keeps fp32 master weights: they must travel through DCP as
+    fp32 DTensors, or the resumed run would restart from bf16-rounded masters.
+    ``checkpoint_dir`` must be the same path on every rank (one subdirectory per dtype).
+    """
+    import os
+
+    return {dtype: _dcp_roundtrip(os.path.join(checkpoint_dir, dtype), dtype, seed) for dtype in dtypes}
+
+
+def _dcp_roundtrip(checkpoint_dir: str, dtype: str, seed: int) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    dt = getattr(torch, dtype)
+    mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
+    kw = dict(lr=1e-2, weight_decay=0.1, master_weights=dt != torch.float32)
+    model = _sharded_mlp(seed, dt, mesh)
+    opt = FusedAdam(model.parameters(), **kw)
+    _train(model, opt, range(3), seed, dt)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=checkpoint_dir)
+    losses = _train(model, opt, range(3, 5), seed, dt)
+
+    model2 = _sharded_mlp(seed + 1, dt, mesh)
+    opt2 = FusedAdam(model2.parameters(), **kw)
+    msd2, osd2 = get_state_dict(model2, opt2)  # DCP initialises FusedAdam state with an lr=0 step
+    dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=checkpoint_dir)
+    set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
+    losses2 = _train(model2, opt2, range(3, 5), seed, dt)
+
+    same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), model2.parameters()))
+    keys = sorted({k for st in opt2.state.values() for k in st})
+    masters_fp32 = all(st["master_param"].dtype == torch.float32 and isinstance(st["master_param"], DTensor)
+                       for st in opt2.state.values()) if kw["master_weights"] else None
+    return {"rank": dist.get_rank(), "losses": losses, "resumed_losses": losses2, "params_bitwise_equal": same,
+            "state_keys": keys, "masters_fp32_dtensor": masters_fp32,
+            "steps": sorted({st["step"].item() for st in opt2.state.values()})}
+
+
+def quantized_dtensor_step(steps: int = 3, lr: float = 1e-2, rows: int = 9, cols: int = 16, seed: int = 0) -> dict:
+    """DTensor params with FP8 local shards: fused delayed scaling and requantized current scaling.
+
+    ``rows`` is sharded over the ranks (9 over 2: uneven). Every rank builds the same full fp32
+    weights, keeps its shard, and quantizes only that shard with a quantizer that all-reduces the
+    amax over the world group, so every rank ends up with the same scale. The high-precision shard
+    is preserved in ``HP_INIT_ATTR`` and seeds the master exactly.
+    """
+    from tutorial_lib.quant.per_tensor import CurrentScaling, DelayedScaling, quantize_per_tensor
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = rank_device()
+    mesh = init_device_mesh(dev.type, (world,))
+    group = dist.group.WORLD
+    torch.manual_seed(seed)
+    full = [torch.randn(rows, cols) for _ in range(2)]
+    full_grads = [[torch.randn(rows, cols) for _ in range(2)] for _ in range(steps)]
+    chunk = -(-rows // world)
+
+    def shard(x):
+        return x[rank * chunk:(rank + 1) * chunk].contiguous().to(dev)
+
+    quantizers = [DelayedScaling("e4m3", history_len=4, group=group), CurrentScaling("e4m3", group=group)]
+    params = []
+    for w, q in zip(full, quantizers):
+        local_hp = shard(w)
+        if isinstance(q, DelayedScaling):  # seed the history: the first scale comes from the init amax
+            q.quantize(local_hp.to(torch.bfloat16))
+        local_q = q.quantize(local_hp.to(torch.bfloat16))
+        p = nn.Parameter(DTensor.from_local(local_q, mesh, (Shard(0),), run_check=False,
+                                            shape=torch.Size((rows, cols)), stride=(cols, 1)))
+        # from_local wraps an alias of local_q: the attribute goes on the object the optimizer
+        # sees, p._local_tensor (first param), or on the parameter itself (second): both work.
+        setattr(p._local_tensor if not params else p, HP_INIT_ATTR, local_hp.clone())
+        params.append(p)
+    opt = FusedAdam(params, lr=lr, weight_decay=0.0, master_weights=True)
+    masters = [shard(w) for w in full]
+    ms = [torch.zeros_like(x) for x in masters]
+    vs = [torch.zeros_like(x) for x in masters]
+    max_master_err, bytes_equal, scales = 0.0, True, []
+    for step in range(1, steps + 1):
+        scale_in_force = quantizers[0].scale.to(dev).clone()
+        for i, p in enumerate(params):
+            g = shard(full_grads[step - 1][i]).to(torch.bfloat16)
+            p.grad = DTensor.from_local(g, mesh, (Shard(0),), run_check=False, shape=p.shape, stride=p.stride())
+            adamw_reference_step_(masters[i], g.float(), ms[i], vs[i], step, lr=lr, betas=(0.9, 0.999),
+                                  eps=1e-8, weight_decay=0.0)
+        opt.step()
+        for i, p in enumerate(params):
+            master = opt.state[p]["master_param"].to_local()
+            if master.numel():
+                max_master_err = max(max_master_err, (master - masters[i]).abs().max().item())
+        local = params[0].to_local()
+        master = opt.state[params[0]]["master_param"].to_local()
+        bytes_equal &= torch.equal(local.raw_buffers()["data"], quantize_per_tensor(master, scale_in_force, "e4m3"))
+        scales.append([params[i].to_local().raw_buffers()["scale_inv"].item() for i in range(2)])
+    return {
+        "rank": rank,
+        "routes": opt.routes()[0],
+        "local_rows": params[0].to_local().shape[0],
+        "max_master_err": max_master_err,
+        "fp8_bytes_equal_quantize_of_master": bool(bytes_equal),
+        "scale_inv_per_step": scales,
+        "state_is_dtensor": all(isinstance(opt.state[p][k], DTensor) for p in params
+                                for k in ("exp_avg", "exp_avg_sq", "master_param")),
+        "hp_init_consumed": not any(hasattr(p._local_tensor, HP_INIT_ATTR) or hasattr(p, HP_INIT_ATTR)
+                                    for p in params),
+    }
+
+
+_OPTIMIZERS = {
+    "torch": lambda ps: torch.optim.AdamW(ps, lr=1e-3),  # foreach on CUDA, single-tensor on CPU
+    "torch_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    "fused": lambda ps: FusedAdam(ps, lr=1e-3),  # ours
+}
+
+
+def dtensor_overhead(n_params: int = 200, numel: int = 64, steps: int = 3, optimizers=("torch", "fused")) -> dict:
+    """Step time on DTensor params vs the SAME local tensors as plain params, per optimizer
+    (names: "torch" = AdamW default, "torch_fused" = AdamW(fused=True), "fused" = FusedAdam).
+
+    Every parameter is a ``Shard(0)`` DTensor with a ``numel``-element local shard; the plain run
+    uses exactly those local tensors (and grads). torch's AdamW runs its foreach/fused kernels
+    on DTensors through DTensor dispatch (sharding propagation per op and parameter list);
+    FusedAdam unwraps the local tensors once per step.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = rank_device()
+    mesh = init_device_mesh(dev.type, (world,))
+    torch.manual_seed(rank)
+    locals_ = [torch.randn(numel, device=dev) for _ in range(n_params)]
+    grads = [torch.randn(numel, device=dev) for _ in range(n_params)]
+    shape = torch.Size((numel * world,))
+
+    def wrap(x):  # a Shard(0) DTensor around x; its local tensor is a view of x, as FSDP2's shards are
+        return DTensor.from_local(x, mesh, (Shard(0),), run_check=False, shape=shape, stride=(1,))
+
+    def grads_for(kind):
+        dgrads = [wrap(g.clone()) for g in grads]
+        return dgrads if kind == "dtensor" else [g._local_tensor for g in dgrads]
+
+    def make(kind):  # plain parameters ARE the local tensors a DTensor run would hold (views too)
+        dparams = [wrap(x.clone()) for x in locals_]
+        params = [nn.Parameter(p if kind == "dtensor" else p._local_tensor) for p in dparams]
+        for p, g in zip(params, grads_for(kind)):
+            p.grad = g
+        return params
+
+    out = {"rank": rank, "n_params": n_params, "local_numel": numel}
+    if "fused" in optimizers:  # every step with new grad tensors (zero_grad + backward): host ms per step
+        opts = {kind: _OPTIMIZERS["fused"](make(kind)) for kind in ("plain", "dtensor")}
+        sets = {kind: [grads_for(kind), grads_for(kind)] for kind in opts}
+        rounds, per_round = (4, 5) if dev.type == "cuda" else (1, steps)
+        host = time_new_grads(opts, sets, rounds=rounds, steps=per_round)
+        out["fused_new_grads_host_ms"] = {k: round(statistics.median(v), 4) for k, v in host.items()}
+        out["fused_new_grads_ratio"] = paired_ratio(host["dtensor"], host["plain"])
+        del opts, sets
+    for name in optimizers:
+        extra = {}
+        try:
+            ms = time_alternating({kind: _OPTIMIZERS[name](make(kind)) for kind in ("plain", "dtensor")}, steps, dev,
+                            extra if name == "fused" else None)
+        except Exception as exc:  # a peer that does not support DTensors here: report it, keep measuring
+            if name == "fused":
+                raise
+            out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            continue
+        out[f"{name}_plain_ms"], out[f"{name}_dtensor_ms"] = (statistics.median(ms[k]) for k in ("plain", "dtensor"))
+        out[f"{name}_ratio"] = paired_ratio(ms["dtensor"], ms["plain"])
+        out[f"{name}_round_ratios"] = [round(a / b, 3) for a, b in zip(ms["dtensor"], ms["plain"])]
+        if extra:  # CUDA, FusedAdam: steps issued back to back, and the host's share
+            for key in ("back_to_back_ms", "host_ms"):
+                out[f"{name}_{key}"] = {k: round(statistics.median(v[key]), 4) for k, v in extra.items()}
+            out[f"{name}_back_to_back_ratio"] = paired_ratio(extra["dtensor"]["back_to_back_ms"],
+                                                             extra["plain"]["back_to_back_ms"])
+    # the same FusedAdam steps on both kinds of parameters give bit-identical local values: all
+    # grads present (the host's fast path), one grad None (the general path), then new grad tensors
+    finals = []
+    for kind in ("plain", "dtensor"):
+        params = make(kind)
+        opt = FusedAdam(params, lr=1e-3)
+        opt.step()
+        saved, params[0].grad = params[0].grad, None
+        opt.step()
+        params[0].grad = saved.clone()
+        opt.step()
+        # new storage for a parameter: p.data = ... (plain) / a new local shard object, as FSDP2's lazy
+        # init installs one (DTensor). The old storage is scribbled on: a stale table would update it.
+        old = params[1]._local_tensor if kind == "dtensor" else params[1].data
+        if kind == "dtensor":
+            params[1]._local_tensor = old.clone()
+        else:
+            params[1].data = old.clone()
+        old.fill_(123.0)
+        opt.step()
+        finals.append([p.detach()._local_tensor if kind == "dtensor" else p.detach() for p in params])
+        finals[-1].append(opt.state[params[0]]["step"].clone())  # 3 steps: the None grad was skipped
+        finals[-1].append(opt.state[params[-1]]["step"].clone())  # 4 steps
+    out["fused_dtensor_equals_plain"] = all(torch.equal(a, b) for a, b in zip(*finals))
+    out["fused_steps_first_last"] = [x.item() for x in finals[1][-2:]]
+    return out
+
+
+def lesson07_experiments(n_params: int, numel: int, timing_steps: int, optimizers: tuple, fsdp_steps: int) -> dict:
+    """Lesson 07's three distributed experiments in ONE launch (starting ranks costs seconds on a CPU):
+    :func:`dtensor_overhead`, :func:`fsdp2_fused_vs_torch` and :func:`quantized_dtensor_step`."""
+    return {
+        "overhead": dtensor_overhead(n_params, numel, timing_steps, optimizers),
+        "fsdp": fsdp2_fused_vs_torch(fsdp_steps),
+        "quantized": quantized_dtensor_step(),
+    }
+
+
+def fused_adam_fsdp2_checks(checkpoint_dir: str, fsdp_steps: int = 6) -> dict:
+    """The FSDP2 test suite's experiments in ONE launch (tests/lessons/test_triton_fused_adam.py):
+    :func:`fsdp2_fused_vs_torch`, :func:`quantized_dtensor_step`, :func:`fsdp2_dcp_roundtrip` and a tiny
+    :func:`dtensor_overhead` (its DTensor == plain check covers FusedAdam's host fast and general paths)."""
+    return {
+        "fsdp": fsdp2_fused_vs_torch(fsdp_steps),
+        "quantized": quantized_dtensor_step(),
+        "dcp": fsdp2_dcp_roundtrip(checkpoint_dir),
+        "overhead": dtensor_overhead(n_params=6, numel=8, steps=1, optimizers=("fused",)),
+    }

@@ -1,0 +1,283 @@
+"""``FusedAdam``: AdamW for plain, FSDP2 (DTensor) and quantized parameters, one Triton launch per bucket.
+
+What one ``step()`` does (per param group)::
+
+    params ──unwrap DTensor once──> local tensors ──route by the storage protocol──> buckets
+                                                                                       │
+      route        local tensor                      kernel variant          after the launch
+      ─────────    ─────────────────────────────     ───────────────         ─────────────────────────
+      fp32         plain fp32                        weight = param          -
+      lowp         plain bf16/fp16, no master        weight = param (RNE)    -
+      lowp_master  plain bf16/fp16 + master          master -> param         -
+      fp8_fused    per-tensor FP8 bytes + a delayed  master -> FP8 bytes,    amax all-reduce (one per
+                   scaling quantizer (scale known    scale_inv, amax         group), record_amax
+                   before the update)
+      requantize   any other quantized format        master only             local.copy_(master): the
+                   (current scaling, MXFP8, ...)                             format requantizes itself
+
+Per param group a :class:`~tutorial_lib.optim.fused_adam_plan.Plan` builds the kernel tables
+(``tutorial_kernels.adam``) once. Per step the host makes a few C-level passes over the parameters
+(new storage? where are the grads? are new grads valid?) and writes two step scalars -- never a
+kernel launch or a DTensor op per parameter; ``tutorial_lib.optim.fused_adam_plan`` lists the passes and
+what they cost. The tables are rebuilt when a parameter gets new storage (``p.data = ...``, FSDP2's
+lazy init).
+
+Optimizer state (``self.state[p]``), all fp32, DTensors with ``p``'s mesh and placements when
+``p`` is a DTensor, so DCP saves and reshards it like the parameters::
+
+    step         CPU fp32 scalar (as torch.optim.AdamW)    exp_avg, exp_avg_sq   like p
+    master_param like p (routes lowp_master, fp8_fused, requantize)
+
+Master weights are seeded, in this order of preference, from:
+
+1. ``HP_INIT_ATTR`` (``"_hp_init_value"``): a high-precision tensor (any float dtype, or a DTensor
+   whose local tensor is one) with the LOCAL shard's shape, kept e.g. by quantized model init
+   before the shard was quantized. Set it on the object the optimizer looks at: the DTensor
+   parameter itself, or its ``p._local_tensor`` -- NOT on the tensor you passed to
+   ``DTensor.from_local``, which wraps an alias of it (and FSDP2's lazy init may re-create the
+   local tensor). Plain parameters: on ``p``. It is consumed (deleted) when the master is
+   created, so the fp32 copy does not live twice.
+2. otherwise the dequantized quantized weight, or the bf16/fp16 weight upcast.
+
+Quantized parameters without master weights raise: their bytes cannot absorb updates of size
+lr, and silently skipping them would leave the model untrained.
+
+Example::
+
+    from tutorial_lib.optim.fused_adam import FusedAdam
+    opt = FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01, master_weights=True)
+    loss.backward(); opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch.distributed.tensor import DTensor
+from tutorial_kernels.adam import launch_adamw
+
+from tutorial_lib.optim.fused_adam_plan import MASTER_ROUTES, ROUTES, Bucket, Plan, fused_fp8_format, route_param
+from tutorial_lib.optim.fused_adam_plan import local_tensor as _local
+from tutorial_lib.quant.tensor import is_quantized
+
+__all__ = ["FusedAdam", "HP_INIT_ATTR", "ROUTES", "route_param", "fused_fp8_format"]
+
+HP_INIT_ATTR = "_hp_init_value"
+
+
+def _like_param(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Wrap a local state tensor as a DTensor with ``p``'s mesh and placements (plain ``p``: as is)."""
+    if not isinstance(p, DTensor):
+        return x
+    return DTensor.from_local(x, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+class FusedAdam(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, torch.optim.AdamW's math) with Triton multi-tensor kernels.
+
+    Args:
+        params: parameters or param groups (plain tensors, FSDP2 DTensors, quantized tensors).
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (same defaults).
+        master_weights: keep an fp32 master copy of bf16/fp16 and quantized parameters (required
+            for quantized ones). fp32 parameters are their own master.
+        block, num_warps: Triton launch configuration (default block:
+            ``tutorial_kernels.adam.default_block()``); ``benchmarks/bench_adam.py`` sweeps a few.
+
+    The kernel tables are cached per group. They are rebuilt automatically when parameters get
+    new storage (``p.data = ...``, FSDP2 lazy init), on ``load_state_dict`` and ``add_param_group``.
+    After writing new VALUES into parameters outside the optimizer (``model.load_state_dict``),
+    call :meth:`reseed_master_weights`, or the next step continues from the old masters.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, master_weights: bool = False, block: int | None = None,
+                 num_warps: int = 4):
+        if not lr >= 0.0:
+            raise ValueError(f"invalid learning rate {lr}")
+        if not eps >= 0.0:
+            raise ValueError(f"invalid eps {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas {betas}: each must be in [0, 1)")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"invalid weight_decay {weight_decay}")
+        self._plans: dict[int, Plan] = {}
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_weights=master_weights,
+                        block=block, num_warps=num_warps)
+        super().__init__(params, defaults)
+
+    # -- state ------------------------------------------------------------------------------
+    def _init_state(self, p: torch.Tensor, local: torch.Tensor, route: str) -> dict:
+        """Create missing state for ``p`` (fp32, DTensor like ``p``) and check existing state."""
+        state = self.state[p]
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key not in state:
+                state[key] = _like_param(torch.zeros(local.shape, dtype=torch.float32, device=local.device), p)
+        if route in MASTER_ROUTES and "master_param" not in state:
+            state["master_param"] = _like_param(self._seed_master(p, local), p)
+        for key in ("exp_avg", "exp_avg_sq", "master_param"):
+            if key in state:
+                state[key] = self._checked_state(p, local, key, state[key])
+        if route not in MASTER_ROUTES:
+            state.pop("master_param", None)
+        return state
+
+    @staticmethod
+    def _checked_state(p, local, key, value):
+        if isinstance(p, DTensor) != isinstance(value, DTensor):
+            raise TypeError(f"state[{key!r}] is a {type(value).__name__} but the parameter is a "
+                            f"{type(p).__name__}: load sharded state for sharded parameters")
+        if isinstance(p, DTensor) and (value.placements != p.placements or value.device_mesh != p.device_mesh):
+            raise ValueError(f"state[{key!r}] placements {value.placements} differ from the parameter's "
+                             f"{p.placements}")
+        x = _local(value)
+        if x.shape != local.shape:
+            raise ValueError(f"state[{key!r}] has local shape {list(x.shape)}, parameter {list(local.shape)}")
+        if x.dtype != torch.float32 or x.device != local.device or not x.is_contiguous():
+            value = _like_param(x.to(device=local.device, dtype=torch.float32).contiguous(), p)  # lossless upcast
+        return value
+
+    @staticmethod
+    def _seed_master(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        owner = local if hasattr(local, HP_INIT_ATTR) else p if hasattr(p, HP_INIT_ATTR) else None
+        if owner is not None:
+            hp = _local(getattr(owner, HP_INIT_ATTR))
+            if hp.shape != local.shape:
+                raise ValueError(f"{HP_INIT_ATTR} has shape {list(hp.shape)}, the local shard {list(local.shape)}")
+            master = hp.detach().to(device=local.device, dtype=torch.float32, copy=True).contiguous()
+            delattr(owner, HP_INIT_ATTR)
+            return master
+        if is_quantized(local):
+            return local.dequantize(torch.float32).contiguous()
+        return local.detach().to(torch.float32, copy=True).contiguous()
+
+    @torch.no_grad()
+    def reseed_master_weights(self) -> None:
+        """Copy the current parameter values into the master weights (after loading model weights)."""
+        for p, state in self.state.items():
+            if "master_param" in state:
+                local = _local(p)
+                src = local.dequantize(torch.float32) if is_quantized(local) else local.float()
+                _local(state["master_param"]).copy_(src)
+
+    def rebuild(self) -> None:
+        """Forget the cached kernel tables: the next step re-reads every parameter. Needed only after
+        giving a DTensor parameter's local shard new storage IN PLACE (``p._local_tensor.data = x``);
+        new storage by any other route (``p.data = x``, FSDP2, ``swap_tensors``) is noticed by itself."""
+        self._plans = {}
+
+    def routes(self) -> list[list[str]]:
+        """Per param group, the route each (requires_grad) parameter takes: what lesson 07 prints."""
+        return [[route_param(_local(p), g["master_weights"], i) for i, p in enumerate(g["params"]) if p.requires_grad]
+                for g in self.param_groups]
+
+    # -- step -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            self._step_group(gi, group)
+        return loss
+
+    def _step_group(self, gi: int, group: dict) -> None:
+        plan = self._plans.get(gi)
+        if plan is None or plan.stale():
+            # first step, or a parameter got new storage (p.data = ..., FSDP2 lazy init): rebuild
+            plan = self._plans[gi] = Plan(group, self._init_state)
+        if not plan.params:
+            return
+        grads, addresses = plan.grads_and_addresses()
+        if addresses != plan.last_grad_addresses:  # one C-level list comparison
+            plan.refresh_grads(grads, addresses)
+        if not plan.any_active:
+            return
+        lr = float(group["lr"])
+        beta1, beta2 = group["betas"]
+        plan.write_step_scalars(lr, beta1, beta2)
+        kw = dict(lr=lr, betas=(beta1, beta2), eps=group["eps"], weight_decay=group["weight_decay"],
+                  num_warps=group["num_warps"])
+        for b in plan.buckets:
+            if b.route == "fp8_fused":
+                self._fp8_step(b, b.hyper, grads, kw)
+            else:
+                launch_adamw(b.tables, b.hyper, **kw)
+            if b.route == "requantize":
+                for j, i in enumerate(b.members):
+                    if grads[i] is not None:
+                        local, master = b.pairs[j]
+                        local.copy_(master)  # the format requantizes itself (quantizer or its own rule)
+
+    @staticmethod
+    def _fp8_step(b: Bucket, hyper: torch.Tensor, grads: list, kw: dict) -> None:
+        """Delayed scaling fused: bytes with the scale in force, then amax -> all-reduce -> history."""
+        device = b.tables.table.device
+        for q in b.quantizers:
+            if getattr(q, "group_dropped", False):
+                raise RuntimeError(f"{q!r} lost its process group when it was pickled; call set_group(group)")
+        scales = torch.stack([q.scale.to(device, torch.float32).reshape(()) for q in b.quantizers])
+        launch_adamw(b.tables, hyper, scales=scales, **kw)
+        amax = b.tables.amax
+        groups: dict[int, list[int]] = {}
+        for j, q in enumerate(b.quantizers):
+            if getattr(q, "group", None) is not None:
+                groups.setdefault(id(q.group), []).append(j)
+        if groups:
+            from tutorial_lib.quant.per_tensor import all_reduce_amax
+
+            for js in groups.values():  # one collective per process group, all tensors at once
+                sub = amax if len(js) == len(b.quantizers) else amax[js]
+                all_reduce_amax(sub, b.quantizers[js[0]].group)
+                if sub is not amax:
+                    amax[js] = sub
+        for j, i in enumerate(b.members):
+            if grads[i] is not None:
+                b.quantizers[j].record_amax(amax[j])  # copied into the history
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for i, p in enumerate(group["params"]):  # fail now, not at the first step: e.g. no master weights
+            if p.requires_grad:
+                route_param(_local(p), group["master_weights"], i)
+        self._plans = {}
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        # 'step' is a view into the plan's step vector: hand out copies, like torch's own tensors
+        sd["state"] = {k: {**v, "step": v["step"].clone()} if "step" in v else dict(v)
+                       for k, v in sd["state"].items()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load hyper-parameters via torch, state ourselves: torch's loader casts every floating
+        state tensor to the PARAMETER's dtype, which would turn fp32 masters and moments of bf16
+        (or nominally-bf16 quantized) parameters into bf16."""
+        saved_state = state_dict["state"]
+        super().load_state_dict({**state_dict, "state": {}})
+        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        id_map = dict(zip(saved_ids, params))
+        for k, v in saved_state.items():
+            p = id_map.get(k)
+            if p is None:
+                raise KeyError(f"state for parameter id {k!r} matches no parameter of this optimizer")
+            self.state[p] = {
+                key: (torch.as_tensor(val, dtype=torch.float32).detach().to("cpu").reshape(()) if key == "step"
+                      else val.detach().to(device=p.device, dtype=torch.float32) if isinstance(val, torch.Tensor)
+                      else val)
+                for key, val in v.items()
+            }
+        self._plans = {}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        for group in self.param_groups:  # groups loaded from another optimizer lack our keys
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+        self._plans = {}

@@ -1,0 +1,169 @@
+"""FP8 blockwise: E4M3 elements with one fp32 scale per 1x128 or 128x128 block.
+
+The DeepSeek-V3 recipe: activations and gradients use 1x128 blocks along the last dim,
+weights use 128x128 tiles (so the same scale serves a weight and its transpose)::
+
+    1x128, x [M, K]:      data uint8 [M, K]     scale_inv fp32 [M, K/128]
+    128x128, w [N, K]:    data uint8 [N, K]     scale_inv fp32 [N/128, K/128]
+
+        K ->   0        128       256
+      N  0   +---------+---------+
+         |   | s[0,0]  | s[0,1]  |     every element of tile (i, j) is
+         v   +---------+---------+     x ~= e4m3(data) * scale_inv[i, j]
+       128   | s[1,0]  | s[1,1]  |
+             +---------+---------+
+
+``scale_inv = amax / 448`` makes the block's largest magnitude land on E4M3's largest
+value; with ``pow2_scales=True`` it is rounded *up* to a power of two (no saturation, and
+multiplying by it is exact, at up to one binade less resolution).
+
+Bad and special input (documented results):
+  * dims not multiples of the block -> ValueError naming the block;
+  * an all-zero block -> scale_inv 1.0 and zero bytes (a zero scale would divide 0 by 0);
+  * a block holding NaN or inf -> scale_inv NaN and element bytes 0x7F: the block decodes to NaN.
+
+Example::
+
+    from tutorial_lib.quant.blockwise import quantize_fp8_blockwise, dequantize_fp8_blockwise
+    data, scale_inv = quantize_fp8_blockwise(w, block=(128, 128))
+    w_hat = dequantize_fp8_blockwise(data, scale_inv, block=(128, 128))
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tutorial_lib.quant.block import (
+    E4M3_MAX,
+    E4M3_NAN_CODE,
+    BlockQuantizer,
+    BlockScaledTensor,
+    block_amax,
+    block_dims_of,
+    ceil_log2,
+    check_block_shape,
+    e4m3_bytes_to_fp32,
+    exp2_int,
+    expand_scales,
+    from_blocks,
+    to_blocks,
+    to_e4m3_bytes,
+)
+from tutorial_lib.quant.tensor import add_safe_global
+
+BLOCKWISE_BLOCKS = ((1, 128), (128, 128))
+
+
+def _check_block(block) -> tuple[int, ...]:
+    block = tuple(block)
+    if block not in BLOCKWISE_BLOCKS:
+        raise ValueError(f"FP8 blockwise supports blocks {BLOCKWISE_BLOCKS}, got {block}")
+    return block_dims_of(block)
+
+
+def blockwise_scale_inv(amax: torch.Tensor, pow2_scales: bool = False) -> torch.Tensor:
+    """Per-block dequantization multiplier from fp32 block amaxes (see module docstring)."""
+    s = amax / E4M3_MAX
+    if pow2_scales:
+        s = exp2_int(ceil_log2(s).clamp(-127, 127))
+    s = torch.where(amax == 0, torch.ones_like(s), s)
+    # A tiny nonzero amax whose quotient underflows to 0 would divide by zero; use the
+    # smallest positive power of two instead (the block then rounds to ~0, as it should).
+    return torch.where(s == 0, torch.full_like(s, 2.0**-127), s)
+
+
+def quantize_fp8_blockwise(x: torch.Tensor, block=(1, 128), *, pow2_scales: bool = False):
+    """Quantize ``x`` to E4M3 with fp32 scales per block. Returns ``(data uint8, scale_inv fp32)``.
+
+    THE reference shared by tests and lessons; ``block`` is (1, 128) or (128, 128).
+    """
+    dims = _check_block(block)
+    if not x.is_floating_point():
+        raise TypeError(f"FP8 blockwise quantizes floating-point tensors, got {x.dtype}")
+    check_block_shape(x.shape, dims, what="FP8 blockwise")
+    xb = to_blocks(x.to(torch.float32), dims)
+    amax = block_amax(x, dims)
+    nonfinite = ~torch.isfinite(amax)
+    scale_inv = blockwise_scale_inv(amax, pow2_scales)
+    q = to_e4m3_bytes(xb / scale_inv.unsqueeze(-1))
+    q = torch.where(nonfinite.unsqueeze(-1), torch.full_like(q, E4M3_NAN_CODE), q)
+    scale_inv = torch.where(nonfinite, torch.full_like(scale_inv, float("nan")), scale_inv)
+    return from_blocks(q, dims).contiguous(), scale_inv.contiguous()
+
+
+def dequantize_fp8_blockwise(data, scale_inv, block=(1, 128), *, dtype=torch.float32):
+    """Inverse of :func:`quantize_fp8_blockwise`: ``e4m3(data) * scale_inv`` per block."""
+    dims = _check_block(block)
+    if data.dtype != torch.uint8 or scale_inv.dtype != torch.float32:
+        raise TypeError(f"blockwise data is uint8 and scale_inv fp32, got {data.dtype} and {scale_inv.dtype}")
+    check_block_shape(data.shape, dims, what="FP8 blockwise")
+    return (e4m3_bytes_to_fp32(data) * expand_scales(scale_inv, dims)).to(dtype)
+
+
+# ----------------------------------------------------------------------------- the subclasses
+
+
+class FP8BlockwiseTensor(BlockScaledTensor):
+    """FP8 blockwise on the storage protocol: ``data`` (E4M3 bytes) + fp32 ``scale_inv`` per block.
+
+    One class per block shape (the block is part of the layout): :class:`FP8Blockwise1x128Tensor`
+    and :class:`FP8Blockwise128x128Tensor`. Same buffer names as per-tensor ``Float8Tensor``
+    (``data``, ``scale_inv``) -- yet ``scale_inv`` is a tensor of per-block scales here, which is
+    exactly why code must ask the protocol (``quant_layout``) rather than guess from names.
+    """
+
+    _buffer_names = ("data", "scale_inv")
+    _meta_names = ()
+    _scale_dtype = torch.float32
+    _format_name = "FP8 blockwise"
+    _layout_prefix, _element, _scale_desc = "fp8 blockwise", "e4m3", "fp32 scale_inv per {block} block"
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Plain tensor ``e4m3(data) * scale_inv`` (per block) in ``dtype`` (default: nominal)."""
+        return dequantize_fp8_blockwise(self._data, self._scale_inv, self.block, dtype=dtype or self.dtype)
+
+    def _quantize_buffers(self, hp: torch.Tensor) -> dict:
+        q = self.quantizer
+        if not (isinstance(q, BlockwiseFP8Quantizer) and q.block == self.block):
+            q = BlockwiseFP8Quantizer(self.block)
+        return q.quantize_buffers(hp)
+
+
+class FP8Blockwise1x128Tensor(FP8BlockwiseTensor):
+    """1x128 blocks along the last dim (activations and gradients)."""
+
+    block = (1, 128)
+
+
+class FP8Blockwise128x128Tensor(FP8BlockwiseTensor):
+    """128x128 tiles over the last two dims (weights: W and W^T share the scales)."""
+
+    block = (128, 128)
+
+
+class BlockwiseFP8Quantizer(BlockQuantizer):
+    """Makes and refreshes FP8 blockwise tensors (no state: block scales come from the data).
+
+    Example::
+
+        w_q = BlockwiseFP8Quantizer(block=(128, 128)).quantize(w)    # FP8Blockwise128x128Tensor
+        x_q = BlockwiseFP8Quantizer(block=(1, 128), pow2_scales=True).quantize(x)
+    """
+
+    def __init__(self, block=(1, 128), pow2_scales: bool = False):
+        _check_block(block)
+        self.block, self.pow2_scales = tuple(block), bool(pow2_scales)
+
+    def __repr__(self) -> str:
+        return f"BlockwiseFP8Quantizer(block={self.block}, pow2_scales={self.pow2_scales})"
+
+    @property
+    def tensor_class(self) -> type:
+        return FP8Blockwise1x128Tensor if self.block == (1, 128) else FP8Blockwise128x128Tensor
+
+    def quantize_buffers(self, hp: torch.Tensor) -> dict:
+        data, scale_inv = quantize_fp8_blockwise(hp, self.block, pow2_scales=self.pow2_scales)
+        return {"data": data, "scale_inv": scale_inv}
+
+
+add_safe_global(BlockwiseFP8Quantizer)

@@ -1,0 +1,183 @@
+"""MXFP8: E4M3 elements with one power-of-two (E8M0) scale per 32 elements (OCP MX v1.0).
+
+Layout of a rowwise MXFP8 tensor of shape [M, K] (K a multiple of 32)::
+
+    data      uint8 [M, K]       E4M3 bytes            x[i, j] ~= e4m3(data[i, j]) * 2**(scale - 127)
+    scale     uint8 [M, K/32]    E8M0 codes            one per 32 consecutive elements of a row
+              |<- 32 ->|<- 32 ->| ...
+    row i:    [ e e ... e | e e ... e | ... ]   data
+              [    s0     |    s1     | ... ]   scale (biased exponent, 127 == 2**0)
+
+The scale of a block (OCP MX v1.0, section 6.3): ``X = 2**(floor(log2(amax)) - emax)`` with
+``emax = 8`` for E4M3 (its largest value is 1.75 * 2**8 = 448). Then ``amax / X`` lies in
+[256, 512), so the few values above 448 saturate to 448 ("floor" rounding). NVIDIA's
+hardware also offers "rceil": the smallest power of two with ``amax / X <= 448`` (no
+saturation, one binade less resolution for some blocks). Both are here.
+
+Bad and special input (documented results):
+  * last dim not a multiple of 32 -> ValueError naming the 32-element MX block;
+  * an all-zero block -> scale code 0 (2**-127, E8M0 has no zero) and zero bytes: decodes to 0;
+  * a block holding NaN or inf -> scale code 255 (E8M0 NaN) and element bytes 0x7F (E4M3 NaN):
+    the whole block decodes to NaN, as the MX spec says; other blocks are unaffected.
+
+Example::
+
+    from tutorial_lib.quant.mxfp8 import quantize_mxfp8, dequantize_mxfp8
+    data, scale = quantize_mxfp8(w)                       # rowwise 1x32
+    w_hat = dequantize_mxfp8(data, scale, dtype=torch.bfloat16)
+    data_t, scale_t = quantize_mxfp8(w, axis=-2)          # columnwise 32x1 (for the wgrad GEMM)
+"""
+
+from __future__ import annotations
+
+import torch
+from tutorial_kernels.mxfp8_quant import MX_BLOCK, SCALE_ROUNDINGS, mxfp8_quantize
+
+from tutorial_lib.quant.block import (
+    E4M3_NAN_CODE,
+    E8M0_NAN_CODE,
+    BlockQuantizer,
+    BlockScaledTensor,
+    abs_bits,
+    check_block_shape,
+    e4m3_bytes_to_fp32,
+    exp2_int,
+    floor_log2,
+    to_e4m3_bytes,
+)
+from tutorial_lib.quant.tensor import add_safe_global
+
+__all__ = ["MX_BLOCK", "SCALE_ROUNDINGS", "MXFP8Quantizer", "MXFP8Tensor", "dequantize_mxfp8", "e8m0_to_fp32",
+           "mx_scale_exponent", "quantize_mxfp8"]
+
+E4M3_EMAX = 8  # floor(log2(448))
+E8M0_BIAS = 127
+E4M3_MAX_MANTISSA_BITS = 0x600000  # 448 = 1.75 * 2**8: fp32 mantissa bits of 1.75
+
+
+def mx_scale_exponent(amax: torch.Tensor, rounding: str = "floor") -> torch.Tensor:
+    """Unbiased scale exponent (int32, clamped to E8M0's [-127, 127]) for fp32 block amaxes.
+
+    floor: floor(log2(amax)) - 8   (OCP MX v1.0; amax/X in [256, 512), values > 448 saturate)
+    rceil: ceil(log2(amax / 448))  (NVIDIA; amax/X <= 448, nothing saturates), computed exactly
+           from the bits: one binade up from "floor" when amax's mantissa exceeds 1.75.
+    """
+    e = floor_log2(amax) - E4M3_EMAX
+    if rounding == "rceil":
+        e = e + ((amax.view(torch.int32) & 0x7FFFFF) > E4M3_MAX_MANTISSA_BITS).to(torch.int32)
+    elif rounding != "floor":
+        raise ValueError(f"rounding must be one of {SCALE_ROUNDINGS}, got {rounding!r}")
+    return e.clamp(-E8M0_BIAS, E8M0_BIAS)
+
+
+def _quantize_rowwise(x: torch.Tensor, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
+    amax_bits = abs_bits(xf).amax(-1, keepdim=True)  # NaN-propagating amax, as bits
+    amax = amax_bits.view(torch.float32)
+    nonfinite = amax_bits >= 0x7F800000
+    e = mx_scale_exponent(amax, rounding)
+    # Multiplying by 2**-e is exact (a power of two, no overflow for finite fp32 input).
+    q = to_e4m3_bytes(xf * exp2_int(-e))
+    q = torch.where(nonfinite, torch.full_like(q, E4M3_NAN_CODE), q)
+    code = torch.where(nonfinite, torch.full_like(e, E8M0_NAN_CODE), e + E8M0_BIAS).to(torch.uint8)
+    return q.reshape(x.shape), code.squeeze(-1)
+
+
+def quantize_mxfp8(x: torch.Tensor, *, axis: int = -1, rounding: str = "floor"):
+    """Quantize ``x`` to MXFP8 with 32-element blocks along ``axis`` (-1 rowwise, -2 columnwise).
+
+    Returns ``(data, scale)``: ``data`` uint8 E4M3 bytes with ``x``'s shape; ``scale`` uint8
+    E8M0 codes with the blocked dim divided by 32 (rowwise ``[..., K/32]``, columnwise
+    ``[..., M/32, K]``). This is THE reference the Triton kernel, tests and lessons share.
+    """
+    if not x.is_floating_point():
+        raise TypeError(f"MXFP8 quantizes floating-point tensors, got {x.dtype}")
+    if axis in (-1, x.dim() - 1):
+        check_block_shape(x.shape, (MX_BLOCK,), what="MX")
+        return _quantize_rowwise(x, rounding)
+    if axis in (-2, x.dim() - 2) and x.dim() >= 2:
+        xt = x.transpose(-1, -2)
+        check_block_shape(xt.shape, (MX_BLOCK,), what="MX (columnwise)")
+        data, scale = _quantize_rowwise(xt, rounding)
+        return data.transpose(-1, -2).contiguous(), scale.transpose(-1, -2).contiguous()
+    raise ValueError(f"axis must be -1 (rowwise) or -2 (columnwise) of a >=2-D tensor, got {axis}")
+
+
+def e8m0_to_fp32(code: torch.Tensor) -> torch.Tensor:
+    """E8M0 code -> 2**(code-127) as fp32 (code 0 -> 2**-127, code 255 -> NaN)."""
+    c = code.to(torch.int32)
+    val = exp2_int(c.clamp(max=254) - E8M0_BIAS)
+    return torch.where(c == E8M0_NAN_CODE, torch.full_like(val, float("nan")), val)
+
+
+def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, *, axis: int = -1, dtype=torch.float32):
+    """Inverse of :func:`quantize_mxfp8`: ``e4m3(data) * 2**(scale - 127)`` in ``dtype``."""
+    if data.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise TypeError(f"MXFP8 data and scale are uint8 buffers, got {data.dtype} and {scale.dtype}")
+    dim = axis % data.dim()
+    if data.shape[dim] != scale.shape[dim] * MX_BLOCK:
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not match data shape {tuple(data.shape)}")
+    s = e8m0_to_fp32(scale).repeat_interleave(MX_BLOCK, dim=dim)
+    return (e4m3_bytes_to_fp32(data) * s).to(dtype)
+
+
+# ----------------------------------------------------------------------------- the subclass
+
+
+class MXFP8Tensor(BlockScaledTensor):
+    """Rowwise MXFP8 on the storage protocol: ``data`` (E4M3 bytes) + ``scale_e8m0`` (one per 1x32).
+
+    It reports its *nominal* dtype (bf16/fp32), like every quantized tensor -- and it is NOT a
+    ``Float8Tensor``: code that routes "FP8 weights" with ``isinstance(p, Float8Tensor)`` or by
+    ``p.dtype`` sends it down the wrong path. Route with ``is_quantized(p)`` and the protocol.
+    """
+
+    _buffer_names = ("data", "scale_e8m0")
+    _meta_names = ()
+    block = (1, MX_BLOCK)
+    _format_name = "MX"
+    _layout_prefix, _element, _scale_desc = "mxfp8", "e4m3", "e8m0 (power of two) per {block} block"
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Plain tensor ``e4m3(data) * 2**(scale - 127)`` in ``dtype`` (default: the nominal dtype)."""
+        return dequantize_mxfp8(self._data, self._scale_e8m0, dtype=dtype or self.dtype)
+
+    def _quantize_buffers(self, hp: torch.Tensor) -> dict:
+        q = self.quantizer if isinstance(self.quantizer, MXFP8Quantizer) else MXFP8Quantizer()
+        return q.quantize_buffers(hp)
+
+
+class MXFP8Quantizer(BlockQuantizer):
+    """Makes and refreshes :class:`MXFP8Tensor` s. No state but the scale rounding rule.
+
+    ``backend``: "torch" (the reference), "triton" (``tutorial_kernels.mxfp8_quant``, bit-exact
+    with it), or "auto" (Triton on CUDA, the reference elsewhere).
+
+    Example::
+
+        q = MXFP8Quantizer().quantize(w.to(torch.bfloat16))   # MXFP8Tensor, dtype bf16
+        MXFP8Quantizer().quantize_into(q, w_new)              # requantize in place (optimizer step)
+    """
+
+    tensor_class = MXFP8Tensor
+
+    def __init__(self, rounding: str = "floor", backend: str = "auto"):
+        if rounding not in SCALE_ROUNDINGS:
+            raise ValueError(f"rounding must be one of {SCALE_ROUNDINGS}, got {rounding!r}")
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"backend must be 'auto', 'torch' or 'triton', got {backend!r}")
+        self.rounding, self.backend = rounding, backend
+
+    def __repr__(self) -> str:
+        return f"MXFP8Quantizer(rounding={self.rounding!r}, backend={self.backend!r})"
+
+    def quantize_buffers(self, hp: torch.Tensor) -> dict:
+        use_triton = self.backend == "triton" or (self.backend == "auto" and hp.is_cuda)
+        if use_triton and hp.is_contiguous():
+            data, scale = mxfp8_quantize(hp, rounding=self.rounding)
+        else:
+            data, scale = quantize_mxfp8(hp, rounding=self.rounding)
+        return {"data": data, "scale_e8m0": scale}
+
+
+add_safe_global(MXFP8Quantizer)

@@ -1,0 +1,358 @@
+"""What a quantized tensor does with a view its layout cannot honour: strict, scoped, or warn.
+
+A block-scaled tensor keeps its trailing block dims (``quant_layout.fixed_dims``): an MXFP8
+weight [M, K] can be viewed as [2, M/2, K] but not as [M*K] -- the scales are laid out per
+row of K. Yet FSDP2 flattens every local shard::
+
+    fully_shard()          FSDPParam._init_sharded_param:   _sharded_param_data = padded.view(-1)
+    first forward          lazy_init -> reset_sharded_param: _sharded_param_data = local.view(-1)
+    module.to()/_apply     reset_sharded_param                (same)
+    load_state_dict        post-hook -> reset_sharded_param   (same)
+
+With all-gather hooks (``fsdp_pre_all_gather``) FSDP2 never reads ``_sharded_param_data``; it
+only keeps it. What should ``view(-1)`` return? Three policies, chosen here::
+
+    policy                     view(-1) inside FSDP2        view(-1) anywhere else
+    -------------------------  ---------------------------  ----------------------------------
+    strict (default)           QuantizedViewError           QuantizedViewError
+    scoped allowance           RawBytes: zero-copy uint8    QuantizedViewError
+      `with allow_flat_views()`  alias of the element bytes   (only this thread, only 1-D flatten)
+    warn_dequantize (global,   a dequantized COPY           a dequantized COPY, with a warning:
+      demo only)               (stale, 2 B/element kept)    writes to it never reach the weight
+
+The production library chose the last one for every caller. Lesson 04 measures its two costs
+(a non-aliasing "view" that silently drops writes and rounds block scales to bf16; a stale
+high-precision copy kept per shard) and shows that the scoped raw-byte view avoids both.
+
+``RawBytes`` cannot be mistaken for weights: it is ``uint8``, its numel is the byte count (half
+the element count for FP4), and arithmetic on it raises ``RawBytesError``.
+
+Example::
+
+    from tutorial_lib.quant.view_policy import allow_flat_views, view_policy, flat_raw_bytes
+    q.view(-1)                                  # QuantizedViewError (strict)
+    with allow_flat_views():
+        fully_shard(layer)                      # FSDP2's view(-1) -> RawBytes alias, no copy
+    raw = flat_raw_bytes(q)                     # the same alias, asked for explicitly
+    with view_policy("warn_dequantize"):        # demo: the production behaviour
+        v = q.view(-1)                          # a bf16 copy + QuantizedViewWarning
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+from tutorial_lib.quant.tensor import (
+    QuantizedTensor,
+    QuantizedViewError,
+    local_tensor,
+    set_disallowed_view_handler,
+)
+
+__all__ = [
+    "POLICIES",
+    "SCOPED_RESULTS",
+    "VIEW_COPIES",
+    "QuantizedViewWarning",
+    "RawBytes",
+    "RawBytesError",
+    "allow_flat_views",
+    "flat_raw_bytes",
+    "get_view_policy",
+    "install_view_policy",
+    "set_view_policy",
+    "view_policy",
+]
+
+POLICIES = ("strict", "warn_dequantize")
+SCOPED_RESULTS = ("raw_bytes", "dequantize")
+
+VIEW_COPIES: collections.Counter = collections.Counter()
+"""Class name -> how many disallowed views were answered with a dequantized copy."""
+
+
+class RawBytesError(RuntimeError):
+    """Arithmetic on RawBytes: the bytes of a quantized tensor are not its values.
+
+    (A RuntimeError, not a TypeError: torch turns a TypeError inside ``x + 1`` into
+    ``NotImplemented`` and Python would then report a generic operand error.)"""
+
+
+class QuantizedViewWarning(UserWarning):
+    """A disallowed view returned a dequantized copy (global warn_dequantize policy)."""
+
+
+_policy = "strict"
+_local = threading.local()  # .scopes: stack of SCOPED_RESULTS entries for this thread
+
+
+def set_view_policy(policy: str) -> str:
+    """Process-wide policy for views outside any scope: "strict" or "warn_dequantize". Returns the old one."""
+    global _policy
+    if policy not in POLICIES:
+        raise ValueError(f"view policy must be one of {POLICIES}, got {policy!r}")
+    install_view_policy()
+    previous, _policy = _policy, policy
+    return previous
+
+
+def get_view_policy() -> str:
+    return _policy
+
+
+@contextlib.contextmanager
+def view_policy(policy: str) -> Iterator[None]:
+    """``with view_policy("warn_dequantize"): ...`` -- change the global policy temporarily (demo)."""
+    previous = set_view_policy(policy)
+    try:
+        yield
+    finally:
+        set_view_policy(previous)
+
+
+@contextlib.contextmanager
+def allow_flat_views(result: str = "raw_bytes") -> Iterator[None]:
+    """Scoped allowance: inside the block (this thread only) a flatten to 1-D of a quantized tensor
+    returns ``RawBytes`` (``result="raw_bytes"``, zero copy) or a dequantized copy
+    (``result="dequantize"``, kept for comparison). Any other disallowed view still raises."""
+    if result not in SCOPED_RESULTS:
+        raise ValueError(f"result must be one of {SCOPED_RESULTS}, got {result!r}")
+    install_view_policy()
+    scopes = _local.__dict__.setdefault("scopes", [])
+    scopes.append(result)
+    try:
+        yield
+    finally:
+        scopes.pop()
+
+
+def _requested_shape(t: QuantizedTensor, args, kwargs) -> tuple[int, ...]:
+    size = tuple(args[1] if len(args) > 1 else kwargs["size"])
+    if -1 in size:
+        known = 1
+        for s in size:
+            known *= s if s != -1 else 1
+        size = tuple(t.numel() // known if s == -1 else s for s in size)
+    return size
+
+
+def _dequantized_copy(t: QuantizedTensor, func, args, kwargs) -> torch.Tensor:
+    VIEW_COPIES[type(t).__name__] += 1
+    return func(t.dequantize(), *args[1:], **kwargs)
+
+
+def _handle_disallowed_view(t: QuantizedTensor, func, args, kwargs):
+    """Installed into the base class: decides what a view the layout cannot honour returns."""
+    shape = _requested_shape(t, args, kwargs)
+    scopes = _local.__dict__.get("scopes")
+    if scopes and shape == (t.numel(),):
+        return flat_raw_bytes(t) if scopes[-1] == "raw_bytes" else _dequantized_copy(t, func, args, kwargs)
+    if _policy == "warn_dequantize":
+        warnings.warn(
+            f"{func} to {list(shape)} of {type(t).__name__} {list(t.shape)} returned a dequantized "
+            f"{t.dtype} COPY ({t.numel() * t.dtype.itemsize} bytes): writes to it do not reach the weight "
+            "(global warn_dequantize view policy)",
+            QuantizedViewWarning,
+            stacklevel=5,  # the caller of .view(): above the dispatch and handler frames
+        )
+        return _dequantized_copy(t, func, args, kwargs)
+    fixed = t.quant_layout.fixed_dims
+    raise QuantizedViewError(
+        f"{func} to {list(shape)} is not allowed for {type(t).__name__} {list(t.shape)}: layout "
+        f"{t.quant_layout.name!r} must keep its last {fixed} dim(s) {list(t.shape[-fixed:])} unchanged, and "
+        "a dequantized copy would not alias the weight (strict view policy). Options: t.dequantize() for an "
+        "explicit copy; flat_raw_bytes(t) for a zero-copy byte view; FSDP2 integrations flatten shards "
+        "inside `with allow_flat_views():`."
+    )
+
+
+def install_view_policy() -> None:
+    """Make this module decide disallowed views (done at import, and again by every context
+    manager and setter here, in case someone restored the base class's default handler)."""
+    set_disallowed_view_handler(_handle_disallowed_view)
+
+
+install_view_policy()
+
+
+# ----------------------------------------------------------------------------- raw-byte flat view
+
+
+class RawBytes(torch.Tensor):
+    """A zero-copy ``uint8`` alias of a quantized tensor's element bytes -- not its values.
+
+    Byte-moving ops (views, slices, copy_, clone, .to, equality) work and stay ``RawBytes``;
+    anything that would treat the bytes as numbers (add, matmul, sum, ...) raises RawBytesError.
+    ``source`` names what the bytes encode.
+    """
+
+    _BYTE_OPS = frozenset({
+        "view", "reshape", "flatten", "narrow", "split", "chunk", "__getitem__", "__setitem__", "copy_",
+        "clone", "detach", "to", "cpu", "cuda", "contiguous", "numel", "size", "dim", "stride",
+        "storage_offset", "data_ptr", "untyped_storage", "element_size", "is_contiguous", "is_pinned",
+        "pin_memory", "equal", "__len__", "__deepcopy__", "__reduce_ex__", "new_empty", "new_zeros",
+        "as_subclass", "requires_grad_", "__get__",
+    })
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        src = next((a.__dict__.get("source") for a in args if isinstance(a, RawBytes)), None)
+        if name not in cls._BYTE_OPS:
+            raise RawBytesError(
+                f"{name} on RawBytes: these are the raw bytes of {src or 'a quantized tensor'}, not numbers. "
+                "Dequantize the quantized tensor for values (or .as_subclass(torch.Tensor) to handle bytes)."
+            )
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, RawBytes) and src is not None:
+                o.__dict__.setdefault("source", src)
+        return out
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"RawBytes({self.numel()} bytes of {self.__dict__.get('source', '?')})"
+
+
+def flat_raw_bytes(t) -> RawBytes:
+    """Zero-copy 1-D ``uint8`` view of a quantized tensor's element bytes (its ``data`` buffer).
+
+    The scales are not included (they travel in their own buffers, e.g. through FSDP2's
+    all-gather hooks); the bytes alias ``t``'s, so requantizing ``t`` in place shows here.
+    """
+    t = local_tensor(t)
+    if not isinstance(t, QuantizedTensor):
+        raise TypeError(f"flat_raw_bytes needs a quantized tensor, got {type(t).__name__}")
+    data = t.raw_buffers()[t._buffer_names[0]]
+    if not data.is_contiguous():
+        raise ValueError(
+            f"a zero-copy flat view needs contiguous bytes; this {type(t).__name__} {list(t.shape)} is a "
+            f"strided piece (data strides {data.stride()}). Flatten the whole tensor, or copy it first."
+        )
+    raw = data.view(-1).as_subclass(RawBytes)
+    raw.source = f"{type(t).__name__} {list(t.shape)} ({t.quant_layout.name})"
+    return raw
+
+
+# ----------------------------------------------------------------------------- measurements (lesson 04)
+
+
+def fallback_view_costs(q: QuantizedTensor) -> dict:
+    """What the global warn-and-dequantize policy costs a caller that is not FSDP2.
+
+    Measured on ``q`` (left unchanged on return):
+
+    * ``write_reached_weight``: does ``q.view(-1).zero_()`` change ``q``? (a real view would)
+    * ``copy_max_rel_err``: the "view" holds values rounded to the nominal dtype, not the
+      weight's exact values (``dequantize(float32)``); relative to the tensor's amax
+    * ``round_trip_bytes_changed`` / ``round_trip_max_rel_change``: fraction of buffer bytes
+      (elements and scales) that change, and the largest change of a value relative to the amax,
+      after the no-op ``q.copy_(q.view(-1).view(q.shape))``
+    * ``copy_nbytes`` vs ``quantized_nbytes``: memory of the copy vs the weight itself
+    """
+    saved = {n: b.clone() for n, b in q.raw_buffers().items()}
+    exact = q.dequantize(torch.float32).reshape(-1)
+    with view_policy("warn_dequantize"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", QuantizedViewWarning)
+        v = q.view(-1)
+        v.zero_()
+        write_reached = not torch.equal(q.dequantize(torch.float32).reshape(-1), exact)
+        v = q.view(-1)
+        q.copy_(v.view(q.shape))
+    after = q.dequantize(torch.float32).reshape(-1)
+    bufs = q.raw_buffers()
+    n_changed = sum((bufs[n].reshape(-1).view(torch.uint8) != saved[n].reshape(-1).view(torch.uint8)).sum().item()
+                    for n in bufs)
+    n_bytes = sum(b.numel() * b.element_size() for b in saved.values())
+    for n, b in bufs.items():  # restore the weight
+        b.copy_(saved[n])
+    return {
+        "result_type": type(v).__name__,
+        "write_reached_weight": write_reached,
+        "copy_max_rel_err": ((v.double() - exact.double()).abs().max() / exact.abs().max()).item(),
+        "round_trip_bytes_changed": n_changed / n_bytes,
+        "round_trip_max_rel_change": ((after - exact).abs().max() / exact.abs().max()).item(),
+        "copy_nbytes": v.numel() * v.element_size(),
+        "quantized_nbytes": q.quantized_nbytes(),
+    }
+
+
+def _fsdp_params(module):
+    """FSDP2's per-parameter records (private API; name differs across torch versions)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return [p for g in groups for p in g.fsdp_params]
+
+
+def fsdp2_flat_shard_report(fmt: str = "mxfp8 1x32", n_layers: int = 4, dim: int = 256,
+                            policies=("strict", "warn_dequantize", "scoped")) -> dict:
+    """Rank function (``launch`` it): ``fully_shard`` a stack of quantized Linear layers under each
+    view policy and measure what FSDP2 keeps in ``_sharded_param_data`` for every shard.
+
+    Per policy: ``{"error": str}`` if ``fully_shard`` raised, else ``{"layers": [...]}`` with, per
+    layer, ``flat_type``, ``quantized_bytes`` (the shard), ``extra_bytes`` (memory the flat shard
+    holds that does not alias the quantized bytes), ``stale`` (after the shard is requantized in
+    place, as an optimizer step does, does the flat shard still show the old weights?) and, on
+    CUDA, ``allocated_delta`` (``torch.cuda.memory_allocated`` growth across ``fully_shard``).
+    """
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+
+    from tutorial_lib.quant.block import make_quantizer
+    from tutorial_lib.dist.launcher import rank_device
+
+    dev = rank_device()
+    contexts = {"strict": contextlib.nullcontext, "warn_dequantize": lambda: view_policy("warn_dequantize"),
+                "scoped": allow_flat_views}
+    report = {}
+    for policy in policies:
+        torch.manual_seed(0)  # the same full weights on every rank; each keeps its own shard
+        model = nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(n_layers)]).to(dev)
+        for lin in model:
+            lin.weight = nn.Parameter(make_quantizer(fmt).quantize(lin.weight.detach().to(torch.bfloat16)))
+        cuda = dev.type == "cuda"
+        before = torch.cuda.memory_allocated(dev) if cuda else 0
+        try:
+            with contexts[policy](), warnings.catch_warnings():
+                warnings.simplefilter("ignore", QuantizedViewWarning)
+                for lin in model:
+                    fully_shard(lin)
+        except QuantizedViewError as exc:
+            report[policy] = {"error": str(exc)}
+            continue
+        delta = (torch.cuda.memory_allocated(dev) - before) if cuda else None
+        layers = []
+        for lin in model:
+            (fsdp_param,) = _fsdp_params(lin)
+            flat, local = fsdp_param._sharded_param_data, local_tensor(lin.weight)
+            data = local.raw_buffers()[local._buffer_names[0]]
+            alias = flat.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+            old = flat.clone() if not alias else None
+            with torch.no_grad():  # an optimizer step: requantize the shard in place
+                local.copy_(local.dequantize(torch.float32) * 0.5 + 0.01)
+            if alias:
+                stale = not torch.equal(flat.as_subclass(torch.Tensor), data.reshape(-1))
+            else:
+                stale = torch.equal(flat, old) and not torch.equal(
+                    flat[: local.numel()].float(), local.dequantize(torch.float32).reshape(-1))
+            layers.append({
+                "flat_type": f"{type(flat).__name__} {str(flat.dtype).replace('torch.', '')}",
+                "quantized_bytes": local.quantized_nbytes(),
+                "extra_bytes": 0 if alias else flat.numel() * flat.element_size(),
+                "stale": stale,
+            })
+        report[policy] = {"layers": layers, "allocated_delta": delta}
+    return report
+
+
+def fsdp2_flat_shard_reports(fmts=("mxfp8 1x32",), n_layers: int = 4, dim: int = 256) -> dict:
+    """:func:`fsdp2_flat_shard_report` for several formats in one launch: ``{fmt: report}``."""
+    return {fmt: fsdp2_flat_shard_report(fmt, n_layers, dim) for fmt in fmts}
