@@ -16,6 +16,7 @@ lessons: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 test: lint
 	$(PY) -m pytest $(ARGS)

@@ -3,14 +3,22 @@ parameters, 2,000 parameters, one rank per GPU (2 GPUs).
 
 torch.optim.AdamW runs its foreach/fused kernels on DTensors through DTensor dispatch (sharding
 propagation per op over the parameter lists); FusedAdam unwraps each parameter's local tensor once
-per step and launches the same kernel either way. Goal (issue 6): FusedAdam's DTensor/plain ratio
-<= 1.05. Each rank holds 2,000 local shards of 49,000 elements (98M params per rank: the small-
-tensor case of bench_adam.py), timed with do_bench on the rank's GPU; rank 0's times are reported, and
-every rank's DTensor/plain ratio: the median of 9 round-by-round ratios, the two variants taking turns
-(a step of 2,000 parameters is host-bound and the host's speed drifts; see fused_adam_fsdp2._time_pair).
+per step and launches the same kernel either way. Goal: FusedAdam's DTensor/plain ratio <= 1.05.
+Each rank holds 2,000 local shards of 49,000 elements (98M params per rank: the small-tensor case
+of bench_adam.py), timed with do_bench on the rank's GPU; rank 0's times are reported, and every
+rank's DTensor/plain ratio: the median of 9 round-by-round ratios, the two variants taking turns (a
+step of 2,000 parameters is host-bound and the host's speed drifts; see
+``tutorial_lib.harness.bench.time_alternating``). The rank function is
+``tutorial_lib.lessons.triton_fused_adam.dtensor_overhead`` (lesson 07 runs it too).
 
     python benchmarks/bench_adam_fsdp2.py                 # 2 GPUs, results into benchmarks/results/
     python benchmarks/bench_adam_fsdp2.py --quick         # tiny sizes (2 CPU ranks without 2 GPUs), temp dir
+
+The JSON (``tutorial_lib.harness.bench.write_results``) has one case; besides the common keys it
+records, per rank, ``dtensor_over_plain`` (latency ratio per optimizer), ``dtensor_over_plain_rounds``,
+on CUDA ``dtensor_over_plain_back_to_back``, ``fused_back_to_back_ms`` and ``fused_host_ms_per_step``,
+with new grads every step ``fused_new_grads_host_ms`` and ``dtensor_over_plain_new_grads_host``, and
+``errors`` and ``fused_dtensor_equals_plain``.
 """
 
 from __future__ import annotations
@@ -20,10 +28,16 @@ import tempfile
 
 import torch
 
-from tutorial_lib.optim.adamw_reference import adam_bytes_per_element
-from tutorial_lib.harness.bench import case, copy_bandwidth_GBps, write_results
-from tutorial_lib.lessons.triton_fused_adam import dtensor_overhead
 from tutorial_lib.dist.launcher import launch
+from tutorial_lib.harness.bench import case, copy_bandwidth_GBps, write_results
+from tutorial_lib.lessons.triton_fused_adam import DTensorOverhead, PairedTimes, dtensor_overhead
+from tutorial_lib.optim.adamw_reference import adam_bytes_per_element
+
+NAMES = {"torch": "torch AdamW (default)", "torch_fused": "torch AdamW fused", "fused": "FusedAdam"}
+
+
+def _medians(t: PairedTimes) -> dict[str, float]:
+    return {"plain": round(t.plain_median_ms, 4), "dtensor": round(t.dtensor_median_ms, 4)}
 
 
 def main(argv=None) -> None:
@@ -41,34 +55,33 @@ def main(argv=None) -> None:
             raise SystemExit("needs 2 GPUs; use --quick on a CPU")
         device, n_params, numel, optimizers = "cuda", 2000, 49_000, ("torch", "torch_fused", "fused")
         out = args.out or "benchmarks/results"
-    per_rank = launch(dtensor_overhead, world_size=2, device=device, args=(n_params, numel, 5, optimizers),
-                      timeout=600)
-    r = per_rank[0]
+    per_rank: list[DTensorOverhead] = launch(dtensor_overhead, world_size=2, device=device,
+                                             args=(n_params, numel, 5, optimizers), timeout=600)
+    fused = [r.optimizers["fused"] for r in per_rank]
+    r0 = per_rank[0].optimizers
     copy = copy_bandwidth_GBps(device)  # after the launch: the ranks had the GPUs to themselves
     nbytes = adam_bytes_per_element(4, 4) * n_params * numel
-    names = {"torch": "torch AdamW (default)", "torch_fused": "torch AdamW fused", "fused": "FusedAdam"}
-    peers = {"FusedAdam plain params": r["fused_plain_ms"]}
-    measured = [n for n in optimizers if f"{n}_ratio" in r]
+    peers = {"FusedAdam plain params": r0["fused"].latency.plain_median_ms}
+    measured = [n for n in optimizers if r0[n].latency is not None]
     for name in measured:
         if name != "fused":
-            peers[f"{names[name]} DTensor"] = r[f"{name}_dtensor_ms"]
-            peers[f"{names[name]} plain"] = r[f"{name}_plain_ms"]
+            peers[f"{NAMES[name]} DTensor"] = r0[name].latency.dtensor_median_ms
+            peers[f"{NAMES[name]} plain"] = r0[name].latency.plain_median_ms
     c = case(f"FusedAdam on {n_params:,} DTensor params ({numel:,} local elements each), rank 0 of 2",
-             r["fused_dtensor_ms"], peers=peers, nbytes=nbytes, copy_GBps=copy)
-    # per rank: the median of the round-by-round ratios (the variants alternate, see _time_pair)
-    c["dtensor_over_plain"] = {names[n]: [round(x[f"{n}_ratio"], 3) for x in per_rank] for n in measured}
-    c["dtensor_over_plain_rounds"] = {"FusedAdam": [x["fused_round_ratios"] for x in per_rank]}
-    if "fused_back_to_back_ratio" in r:  # CUDA: 50 steps issued back to back, and the host's time per step
-        ratios = [round(x["fused_back_to_back_ratio"], 3) for x in per_rank]
-        c["dtensor_over_plain_back_to_back"] = {"FusedAdam": ratios}
-        c["fused_back_to_back_ms"] = r["fused_back_to_back_ms"]
-        c["fused_host_ms_per_step"] = r["fused_host_ms"]
-    if "fused_new_grads_host_ms" in r:  # new grad tensors every step (zero_grad + backward): host ms per step
-        c["fused_new_grads_host_ms"] = r["fused_new_grads_host_ms"]
-        c["dtensor_over_plain_new_grads_host"] = {"FusedAdam": [round(x["fused_new_grads_ratio"], 3)
-                                                                for x in per_rank]}
-    c["errors"] = {names[n]: r[f"{n}_error"] for n in optimizers if f"{n}_error" in r}
-    c["fused_dtensor_equals_plain"] = all(x["fused_dtensor_equals_plain"] for x in per_rank)
+             r0["fused"].latency.dtensor_median_ms, peers=peers, nbytes=nbytes, copy_GBps=copy)
+    # per rank: the median of the round-by-round ratios (the variants alternate, see time_alternating)
+    c["dtensor_over_plain"] = {NAMES[n]: [round(r.optimizers[n].latency.ratio, 3) for r in per_rank]
+                               for n in measured}
+    c["dtensor_over_plain_rounds"] = {"FusedAdam": [f.latency.round_ratios for f in fused]}
+    if fused[0].back_to_back is not None:  # CUDA: 50 steps issued back to back, and the host's time per step
+        c["dtensor_over_plain_back_to_back"] = {"FusedAdam": [round(f.back_to_back.ratio, 3) for f in fused]}
+        c["fused_back_to_back_ms"] = _medians(fused[0].back_to_back)
+        c["fused_host_ms_per_step"] = _medians(fused[0].host)
+    if fused[0].new_grads_host is not None:  # new grad tensors every step (zero_grad + backward): host ms per step
+        c["fused_new_grads_host_ms"] = _medians(fused[0].new_grads_host)
+        c["dtensor_over_plain_new_grads_host"] = {"FusedAdam": [round(f.new_grads_host.ratio, 3) for f in fused]}
+    c["errors"] = {NAMES[n]: r0[n].error for n in optimizers if r0[n].error is not None}
+    c["fused_dtensor_equals_plain"] = all(r.fused_dtensor_equals_plain for r in per_rank)
     print(f"{c['name']}: {c['ours_ms']:.3f} ms, {c['fraction_of_copy']:.0%} of copy; DTensor/plain per rank: "
           + ", ".join(f"{k} {v}" for k, v in c["dtensor_over_plain"].items())
           + (f"; back to back: FusedAdam {c['dtensor_over_plain_back_to_back']['FusedAdam']}, "

@@ -18,15 +18,11 @@ to work::
                 if table[2, t] == 0: skip              # this tensor has no grad this step
 
 Parameters, gradients and optimizer state stay where they live (no packing copies); the tables
-are built once and only the grad row is rewritten when autograd hands out new gradient tensors.
+are built once and only the grad row is rewritten when autograd hands out new gradient tensors
+(``tutorial_kernels.adam_tables``: building, validating and guarding them).
 Chunks that fit entirely inside their tensor take an unmasked, 16-byte-vectorised path (when every
 address is 16-byte aligned, checked on the host); only each tensor's last chunk is masked (and still
 vectorised when every tensor's size is a multiple of 4: the mask then comes in runs of 4).
-
-Why raw addresses need a guard: a wrapper tensor subclass (FP8, MXFP8, DTensor, ...) owns no
-storage and reports ``data_ptr() == 0``; writing that 0 into a table makes the kernel read and
-write address 0 (a segfault on the CPU interpreter, an illegal access on a GPU).
-:func:`raw_address` refuses such tensors with an error that says how to route them instead.
 
 Kernel variants (compile-time flags of the one kernel)::
 
@@ -44,23 +40,31 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 from tutorial_kernels import interpreted
+from tutorial_kernels.adam_tables import (
+    ROW_EXP_AVG,
+    ROW_EXP_AVG_SQ,
+    ROW_GRAD,
+    ROW_NUMEL,
+    ROW_OUT,
+    ROW_SCALE_INV,
+    ROW_WEIGHT,
+    AdamTables,
+    build_tables,
+    default_block,
+    raw_address,
+    set_grads,
+)
 from tutorial_kernels.fp8_round import encode_fp8, to_bf16
 
+# the table's row numbers as compile-time constants (a @triton.jit function may only read constexpr globals)
+_R_NUMEL, _R_WEIGHT, _R_GRAD, _R_EXP_AVG, _R_EXP_AVG_SQ, _R_OUT, _R_SCALE_INV = (
+    tl.constexpr(r) for r in (ROW_NUMEL, ROW_WEIGHT, ROW_GRAD, ROW_EXP_AVG, ROW_EXP_AVG_SQ, ROW_OUT, ROW_SCALE_INV))
 
-ROW_NUMEL, ROW_WEIGHT, ROW_GRAD, ROW_EXP_AVG, ROW_EXP_AVG_SQ, ROW_OUT, ROW_SCALE_INV = range(7)
-N_ROWS = 7
-# the same row numbers as compile-time constants (a @triton.jit function may only read constexpr globals)
-_R_NUMEL, _R_WEIGHT, _R_GRAD, _R_EXP_AVG, _R_EXP_AVG_SQ, _R_OUT, _R_SCALE_INV = (tl.constexpr(r) for r in range(7))
-OUT_KINDS = ("none", "lowp", "fp8")
-FP8_FORMATS = ("e4m3", "e5m2")
-
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # adam_tables.DTYPES
 # Elements per thread per access. Triton's coalescing pass gives every load/store its own layout:
 # as many elements per thread as fit one 16-byte access (fp32: 4, bf16: 8, uint8: 16), loads widened
 # to the widest access they feed, stores capped at 16 bytes. Mixed widths (fp32 state + bf16 grad +
@@ -96,26 +100,14 @@ def adam_step_scalars_tensor(steps: torch.Tensor, lr: float, beta1: float, beta2
     return torch.stack([lr / bc1, bc2.sqrt()]).to(torch.float32)
 
 
-
-def default_block(max_numel: int | None = None) -> int:
-    """Elements per program. Compiled: 2048 (a few 16-byte loads in flight per thread and stream).
-    Interpreted: every program costs ~1 ms of Python plus numpy work on all BLOCK lanes, masked or
-    not, so BLOCK is the largest tensor's size rounded up to a power of two, at most 65,536."""
-    if not interpreted():
-        return 2048
-    if max_numel is None:
-        return 65536
-    return min(65536, max(16, triton.next_power_of_2(max_numel)))
-
-
 # --------------------------------------------------------------------------------------------
 # Device code
 # --------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _adamw_math(w, g, m, v, step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps):
-    """AdamW on fp32 registers, in torch.optim.AdamW's op order (see adam_reference)."""
+def adamw_math(w, g, m, v, step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps):
+    """AdamW on fp32 registers, in torch.optim.AdamW's op order (see tutorial_lib.optim.adamw_reference)."""
     w = w * decay
     # torch's lerp: self + w * (end - self) for small weights, end - (end - self) * (1 - w) otherwise
     m = tl.where(lerp_w < 0.5, m + lerp_w * (g - m), g - (g - m) * (1.0 - lerp_w))
@@ -142,7 +134,7 @@ def _adam_chunk(
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask)
     v = tl.load(v_ptr + offs, mask=mask)
-    w, m, v = _adamw_math(w, g, m, v, step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps)
+    w, m, v = adamw_math(w, g, m, v, step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps)
     if W_DTYPE == tl.bfloat16:
         tl.store(w_ptr + offs, to_bf16(w), mask=mask)
     else:
@@ -224,7 +216,7 @@ def _adam_multi_tensor_kernel(
 
 
 @triton.jit
-def _adam_single_tensor_kernel(
+def adam_single_tensor_kernel(
     p_ptr, g_ptr, m_ptr, v_ptr, n, step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps,
     BLOCK: tl.constexpr,
 ):
@@ -235,186 +227,15 @@ def _adam_single_tensor_kernel(
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
     m = tl.load(m_ptr + offs, mask=mask)
     v = tl.load(v_ptr + offs, mask=mask)
-    w, m, v = _adamw_math(w, g, m, v, step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps)
+    w, m, v = adamw_math(w, g, m, v, step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps)
     tl.store(p_ptr + offs, w, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
-# Host code
+# Host code: the launchers (the tables they take: tutorial_kernels.adam_tables)
 # --------------------------------------------------------------------------------------------
-
-
-def raw_address(t: torch.Tensor, what: str) -> int:
-    """``t.data_ptr()`` for a kernel table, refusing tensors a raw-pointer kernel must not touch.
-
-    The guard that turns the "MXFP8 tensor routed into the bf16 kernel" crash into an error: a
-    wrapper subclass (quantized tensor, DTensor) reports ``data_ptr() == 0`` whatever its dtype says.
-    """
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) and (t.numel() == 0 or t.data_ptr() == 0):
-        raise TypeError(
-            f"{what}: a {type(t).__name__} (nominal dtype {t.dtype}) has no storage of its own "
-            "(data_ptr() == 0): it is a wrapper tensor subclass, and a raw-pointer kernel would read "
-            "address 0. Route it by the storage protocol (tutorial_lib.quant.tensor.is_quantized, "
-            "raw_buffers(), quantizer) or pass its local tensor, never by its dtype."
-        )
-    if t.numel() and t.data_ptr() == 0:
-        raise TypeError(f"{what}: tensor of shape {tuple(t.shape)} has data_ptr() == 0")
-    if not t.is_contiguous():
-        raise ValueError(f"{what}: the fused Adam kernel needs contiguous tensors, got strides {t.stride()}")
-    return t.data_ptr()
-
-
-def copy_to_device(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out`` (a device tensor) receives the small CPU tensor ``x`` (grad addresses, per-step scalars)
-    in stream order; the caller may rewrite ``x`` at once. On a CPU, a plain copy.
-
-    Measured on an H200 with 2,000 tensors (16 KB of scalars per step), 2026-11-30:
-
-    * ``out.copy_(x, non_blocking=True)`` from pageable memory (the driver stages it, so the
-      source can be reused at once): 0.944 ms per step;
-    * a pinned buffer per copy (``pin_memory()``): host-bound, 1.36 ms per step;
-    * a ring of reused pinned buffers guarded by events: host-bound, 1.67 ms per step.
-
-    So the simplest copy won and is what this does; this function stays the one place to change it.
-    """
-    return out.copy_(x, non_blocking=out.device.type == "cuda")
-
-
-@dataclass
-class AdamTables:
-    """Device tables for one multi-tensor launch; every tensor in it shares dtypes and variant."""
-
-    table: torch.Tensor  # int64 [7, T]
-    chunks: torch.Tensor  # int32 [2, C]
-    amax_bits: torch.Tensor | None  # int32 [T] (out == "fp8"): fp32 bit patterns of max|master|
-    numels: list[int]
-    w_dtype: torch.dtype
-    g_dtype: torch.dtype
-    out: str
-    out_dtype: torch.dtype | None
-    fp8_format: str | None
-    block: int
-    static_aligned: bool  # weight, state and out addresses all 16-byte aligned
-    numels_vec: bool = False  # every numel a multiple of 4: the partial last chunks vectorise too
-    grads_aligned: bool = False
-
-    @property
-    def n_tensors(self) -> int:
-        return len(self.numels)
-
-    @property
-    def n_chunks(self) -> int:
-        return self.chunks.shape[1]
-
-    @property
-    def amax(self) -> torch.Tensor | None:
-        """fp32 [T]: max |new master| per tensor after an FP8 launch (NaN if the master holds NaN)."""
-        return None if self.amax_bits is None else self.amax_bits.view(torch.float32)
-
-
-def _chunk_table(numels: list[int], block: int, device, at_least_one: bool) -> torch.Tensor:
-    counts = torch.tensor([max(triton.cdiv(n, block), int(at_least_one)) for n in numels], dtype=torch.int64)
-    tensor_id = torch.repeat_interleave(torch.arange(len(numels)), counts)
-    first = torch.cumsum(counts, 0) - counts
-    index = torch.arange(int(counts.sum())) - torch.repeat_interleave(first, counts)
-    return torch.stack([tensor_id, index]).to(torch.int32).to(device)
-
-
-def build_tables(
-    weights: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    *,
-    grad_dtype: torch.dtype,
-    outs: list[torch.Tensor] | None = None,
-    out_kind: str = "none",
-    scale_invs: list[torch.Tensor] | None = None,
-    fp8_format: str | None = None,
-    block: int | None = None,
-) -> AdamTables:
-    """Validate one bucket of tensors and write their addresses into device tables (once).
-
-    ``weights`` are fp32 params/masters (or bf16/fp16 params updated without a master). ``outs``
-    are the bf16/fp16 params (``out_kind="lowp"``) or the uint8 FP8 byte buffers (``"fp8"``, with
-    one fp32 ``scale_invs`` scalar each, rewritten by the kernel, and ``fp8_format``). Empty tensors
-    may be included: they get no chunk (FP8: one chunk that only stores scale_inv). Grad addresses
-    are filled per step by :func:`set_grads`.
-    """
-    if out_kind not in OUT_KINDS:
-        raise ValueError(f"out_kind must be one of {OUT_KINDS}, got {out_kind!r}")
-    n = len(weights)
-    if n == 0:
-        raise ValueError("build_tables needs at least one tensor")
-    if not (len(exp_avgs) == len(exp_avg_sqs) == n) or (outs is not None and len(outs) != n):
-        raise ValueError("weights, exp_avgs, exp_avg_sqs (and outs) need one entry per tensor")
-    if (out_kind == "none") != (outs is None):
-        raise ValueError(f"out_kind={out_kind!r} {'needs' if outs is None else 'takes no'} outs")
-    if (out_kind == "fp8") != (scale_invs is not None) or (out_kind == "fp8") != (fp8_format is not None):
-        raise ValueError("scale_invs and fp8_format are required with out_kind='fp8' and only then")
-    if out_kind == "fp8" and (fp8_format not in FP8_FORMATS or len(scale_invs) != n):
-        raise ValueError(f"fp8_format must be one of {FP8_FORMATS} with one scale_inv per tensor")
-    block = block or default_block(max(w.numel() for w in weights))
-    if block & (block - 1) or block < 16:
-        raise ValueError(f"block must be a power of two >= 16, got {block}")
-    device = weights[0].device
-    w_dtype = weights[0].dtype
-    if w_dtype not in _TL_DTYPES or grad_dtype not in _TL_DTYPES:
-        raise TypeError(f"weights and grads must be fp32, bf16 or fp16, got {w_dtype} / {grad_dtype}")
-    if out_kind != "none" and w_dtype != torch.float32:
-        raise TypeError(f"out_kind={out_kind!r} needs fp32 master weights, got {w_dtype}")
-    out_dtype = None
-    if outs is not None:
-        out_dtype = outs[0].dtype
-        allowed = (torch.bfloat16, torch.float16) if out_kind == "lowp" else (torch.uint8,)
-        if out_dtype not in allowed:
-            raise TypeError(f"out_kind={out_kind!r} writes {allowed}, got {out_dtype}")
-    rows = [[0] * n for _ in range(N_ROWS)]
-    numels = []
-    for i, w in enumerate(weights):
-        k = w.numel()
-        named = [("weight", w, w_dtype, ROW_WEIGHT), ("exp_avg", exp_avgs[i], torch.float32, ROW_EXP_AVG),
-                 ("exp_avg_sq", exp_avg_sqs[i], torch.float32, ROW_EXP_AVG_SQ)]
-        if outs is not None:
-            named.append(("out", outs[i], out_dtype, ROW_OUT))
-        for name, x, dtype, row in named:
-            if x.device != device or x.dtype != dtype or x.numel() != k:
-                raise ValueError(
-                    f"tensor {i} {name}: expected {k} elements of {dtype} on {device}, "
-                    f"got {x.numel()} of {x.dtype} on {x.device}"
-                )
-            rows[row][i] = raw_address(x, f"tensor {i} {name}")
-        if scale_invs is not None:
-            s = scale_invs[i]
-            if s.numel() != 1 or s.dtype != torch.float32 or s.device != device:
-                raise ValueError(f"tensor {i} scale_inv: need one fp32 value on {device}, "
-                                 f"got {s.dtype} {tuple(s.shape)} on {s.device}")
-            rows[ROW_SCALE_INV][i] = raw_address(s, f"tensor {i} scale_inv")
-        rows[ROW_NUMEL][i] = k
-        numels.append(k)
-    addresses = [a for r in (ROW_WEIGHT, ROW_EXP_AVG, ROW_EXP_AVG_SQ, ROW_OUT) for a in rows[r]]
-    return AdamTables(
-        table=torch.tensor(rows, dtype=torch.int64).to(device),
-        chunks=_chunk_table(numels, block, device, at_least_one=out_kind == "fp8"),
-        amax_bits=torch.zeros(n, dtype=torch.int32, device=device) if out_kind == "fp8" else None,
-        numels=numels, w_dtype=w_dtype, g_dtype=grad_dtype, out=out_kind, out_dtype=out_dtype,
-        fp8_format=fp8_format, block=block, static_aligned=all(a % 16 == 0 for a in addresses),
-        numels_vec=all(k % 4 == 0 for k in numels),
-    )
-
-
-def set_grads(tables: AdamTables, grad_addresses: torch.Tensor) -> None:
-    """Write this step's grad addresses (int64 [T] on the CPU, 0 = skip that tensor) into the table.
-
-    The addresses must come from :func:`raw_address`-checked tensors of the bucket's grad dtype.
-    The copy is queued on the current stream, after any launch still reading the old row.
-    """
-    if grad_addresses.shape != (tables.n_tensors,) or grad_addresses.dtype != torch.int64:
-        raise ValueError(f"need int64 [{tables.n_tensors}] grad addresses, got {grad_addresses.dtype} "
-                         f"{tuple(grad_addresses.shape)}")
-    tables.grads_aligned = bool((grad_addresses % 16 == 0).all())
-    copy_to_device(grad_addresses, tables.table[ROW_GRAD])
 
 
 def launch_adamw(
@@ -521,7 +342,7 @@ def adamw_single_tensor_(
     block = block or default_block()
     beta1, beta2 = betas
     step_size, bc2_sqrt = adam_step_scalars(step, lr, beta1, beta2)
-    _adam_single_tensor_kernel[(triton.cdiv(n, block),)](
+    adam_single_tensor_kernel[(triton.cdiv(n, block),)](
         param, grad, exp_avg, exp_avg_sq, n, step_size, bc2_sqrt, 1.0 - lr * weight_decay, 1.0 - beta1,
         beta2, 1.0 - beta2, eps, BLOCK=block,
     )

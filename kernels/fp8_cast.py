@@ -48,9 +48,8 @@ import torch
 import triton
 import triton.language as tl
 from tutorial_kernels import interpreted
-from tutorial_kernels.fp8_round import decode_fp8, encode_fp8, to_bf16
-
 from tutorial_kernels.fp8_args import CastResult, check_amax_eps, check_dequantize_args, check_input, check_scale_arg
+from tutorial_kernels.fp8_round import decode_fp8, encode_fp8, to_bf16
 
 __all__ = ["amax", "cast_current_scaling", "cast_delayed_scaling", "dequantize_per_tensor", "default_block"]
 
@@ -181,7 +180,8 @@ def _check_kernel_input(x: torch.Tensor, fmt: str) -> None:
     if not x.is_contiguous():
         raise ValueError(
             f"the Triton FP8 kernels need a contiguous tensor (got shape {tuple(x.shape)}, strides {x.stride()}); "
-            "call .contiguous() first or use the torch reference (tutorial_lib.quant.per_tensor), which takes any layout"
+            "call .contiguous() first or use the torch reference (tutorial_lib.quant.per_tensor), which takes "
+            "any layout"
         )
     if not (x.is_cuda or interpreted()):
         raise ValueError(f"Triton kernels run on CUDA tensors (or under TRITON_INTERPRET=1), got {x.device}")

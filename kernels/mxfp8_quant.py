@@ -17,8 +17,9 @@ blocks, i.e. a [ROWS, 32] tile of the flattened input::
                       --> E4M3 bytes, scale byte e + 127 (255 for a block holding NaN/inf)
 
 Rounding: compiled on a GPU the fp32 -> E4M3 cast is a correct saturating RNE; in Triton's CPU
-interpreter it is not (``tests/kernels/test_fp8_cast_kernels.py`` shows it), so there we round onto the grid in fp32 first
-(``tutorial_kernels.fp8_round.encode_fp8``), which makes the interpreter byte-exact too.
+interpreter it is not (``tests/kernels/test_fp8_cast_kernels.py`` shows it), so there we round onto
+the grid in fp32 first (``tutorial_kernels.fp8_round.encode_fp8``), which makes the interpreter
+byte-exact too.
 
 Example::
 

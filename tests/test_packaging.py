@@ -41,7 +41,14 @@ def test_no_top_level_kernels_module_is_claimed():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = project["tool"]["setuptools"]["packages"]
     assert "kernels" not in packages, "`kernels` is a package on the index; we must not shadow it"
-    assert set(packages) == {"tutorial_lib", "tutorial_kernels"}
+    assert {p.split(".")[0] for p in packages} == {"tutorial_lib", "tutorial_kernels"}
+
+
+def test_every_subpackage_is_installed():
+    """A sub-package missing from the list would be absent from a non-editable install."""
+    packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "tutorial_lib").rglob("__init__.py")}
+    assert on_disk <= packages, f"not listed in pyproject [tool.setuptools] packages: {sorted(on_disk - packages)}"
 
 
 def test_supported_torch_floor_is_declared():

@@ -36,7 +36,8 @@ EXERCISED = {
     "make lessons": "test_make_lessons",
     "make test": "ci",
     ".venv/bin/jupyter lab notebooks/": "test_jupyter_lab_is_installed_with_the_kernel",
-    ".venv/bin/python -m tutorial_lib.harness.notebooks run notebooks/00_start_here.ipynb --device cpu --world-size 2 --quick":
+    ".venv/bin/python -m tutorial_lib.harness.notebooks run notebooks/00_start_here.ipynb --device cpu "
+    "--world-size 2 --quick":
         "test_run_one_lesson_cli",
     ".venv/bin/papermill notebooks/00_start_here.ipynb output/00.ipynb -k python3 -p device cpu -p world_size 2 "
     "-p quick True": "test_papermill_command",
@@ -128,3 +129,28 @@ def test_benchmark_table_matches_recorded_results():
     assert block == results_markdown(ROOT / "benchmarks" / "results").strip(), (
         "README's benchmark table is stale: run `python -m tutorial_lib.harness.bench`"
     )
+
+
+def _experiment_block() -> str:
+    section = README.split("## Using tutorial_lib in your own experiments", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 1, "the section shows one runnable example"
+    return blocks[0]
+
+
+@pytest.mark.distributed
+def test_own_experiment_example_runs(tmp_path):
+    """The README's "Using tutorial_lib in your own experiments" block, saved as a script and run as shown."""
+    script = tmp_path / "my_experiment.py"
+    script.write_text(_experiment_block())
+    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "losses:" in r.stdout and "MXFP8Tensor" in r.stdout, r.stdout
+
+
+def test_own_experiment_example_uses_only_the_public_api():
+    names = set(re.findall(r"\btl\.(\w+)", _experiment_block()))
+    import tutorial_lib
+
+    missing = sorted(names - set(tutorial_lib.__all__))
+    assert not missing, f"not exported by tutorial_lib: {missing}"

@@ -8,16 +8,16 @@ initialised *after* sharding, one local shard per rank. The obvious code::
                                                # -> rank 0's rows == rank 1's rows
 
 gives every rank the same shard, so the sharded model equals no single-process model. On GPU,
-DTensor's RNG tracker fixes this for DTensor ops; on a CPU mesh there is no tracker
-(``shared/FACTS.md``), and even on GPU its numbers differ from a plain ``nn.init`` of the full
-tensor.
+DTensor's RNG tracker fixes this for DTensor ops; on a CPU mesh there is no tracker (torch 2.13:
+lesson 05 shows the identical shards), and even on GPU its numbers differ from a plain ``nn.init``
+of the full tensor.
 
 The fix used here is a *counter-based* generator (the idea behind Philox and JAX's threefry):
 element ``i`` of parameter ``name`` is a pure function of ``(seed, name, i)``::
 
     key  = crc32(f"{seed}:{name}")                 # one 32-bit key per parameter
     bits = mix32(mix32(lo32(i) + key) ^ (hi32(i) + key'))   # integer hash of the element index
-    u    = (bits >> 9 + 0.5) * 2**-23               # uniform in (0, 1), exact in fp32
+    u    = ((bits >> 9) + 0.5) * 2**-23             # uniform in (0, 1), exact in fp32
     w[i] = low + (high - low) * u                   # computed in fp64, rounded once to the dtype
 
 So a rank generates exactly the rows of its shard (``i`` runs over those rows only), nothing of

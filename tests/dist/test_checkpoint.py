@@ -40,9 +40,9 @@ from tutorial_lib.dist.extra_state import (
     decode_quantizer_state,
     encode_quantizer_state,
 )
-from tutorial_lib.quant.float8 import Float8Tensor
-from tutorial_lib.quant.tensor import register_safe_globals
-from tutorial_lib.quant.per_tensor import CurrentScaling, DelayedScaling
+from tutorial_lib.dist.training_state import init_optimizer_state
+from tutorial_lib.quant.float8 import CurrentScaling, DelayedScaling, Float8Tensor
+from tutorial_lib.quant.serialization import register_safe_globals
 
 aten = torch.ops.aten
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -256,7 +256,7 @@ def test_dcp_reads_chunks_weights_only_so_the_subclass_needs_safe_globals():
         path = os.path.join(root, "c")
         save_checkpoint(live, path)
         with default_safe_globals_only():
-            with pytest.raises(CheckpointException, match="_rebuild_quantized was not an allowed global"):
+            with pytest.raises(CheckpointException, match="rebuild_quantized was not an allowed global"):
                 dcp.load(_fresh_like(live), checkpoint_id=path, no_dist=True)
             out = load_checkpoint(_fresh_like(live), path)  # registers the safe globals itself
     assert mismatched_keys(out, live) == []
@@ -460,3 +460,34 @@ def test_nan_check_looks_inside_dcp_statefuls():
         with pytest.raises(NonFiniteCheckpointError) as info:
             load_checkpoint({"app": target}, os.path.join(root, "c"))
     assert list(info.value.keys) == ["app.x"] and torch.isnan(target.x[1])
+
+
+# ----------------------------------------------------------------------------- optimizer state before a load
+
+
+def test_init_optimizer_state_asks_the_optimizer_first_then_falls_back_to_torch():
+    """DCP loads in place, so the state must exist first; dispatch is on the ``init_state`` method, not the class."""
+    w = nn.Parameter(torch.ones(3))
+
+    class WithInitState(torch.optim.SGD):
+        calls = 0
+
+        def init_state(self):
+            WithInitState.calls += 1
+            self.state[w]["momentum_buffer"] = torch.zeros(3)
+
+    opt = WithInitState([w], lr=0.1, momentum=0.9)
+    init_optimizer_state(opt)
+    init_optimizer_state(opt)  # state exists now: nothing to do
+    assert WithInitState.calls == 1 and torch.equal(w, torch.ones(3))
+
+    v = nn.Parameter(torch.full((3,), 2.0))
+    adamw = torch.optim.AdamW([v], lr=0.1, weight_decay=0.1)  # no init_state: torch's zero-grad, lr=0 step
+    init_optimizer_state(adamw)
+    assert {"step", "exp_avg", "exp_avg_sq"} <= set(adamw.state[v])
+    assert torch.equal(v, torch.full((3,), 2.0)) and v.grad is None and adamw.param_groups[0]["lr"] == 0.1
+
+    u = nn.Parameter(torch.ones(2))
+    u.grad = torch.ones(2)
+    with pytest.raises(RuntimeError, match="already have gradients"):
+        init_optimizer_state(torch.optim.AdamW([u]))

@@ -19,20 +19,32 @@ import shutil
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Shard
 
-from tutorial_lib.dist.checkpoint import CheckpointExistsError, checkpoint_dir, mismatched_keys, save_checkpoint
-from tutorial_lib.dist.export import exported_values
+from tutorial_lib.dist.checkpoint import (
+    CheckpointExistsError,
+    QuantizedLoadPlanner,
+    checkpoint_dir,
+    load_checkpoint,
+    mismatched_keys,
+    save_checkpoint,
+)
+from tutorial_lib.dist.export import export_fp32_safetensors, exported_values
 from tutorial_lib.dist.launcher import launch
-from tutorial_lib.quant.tensor import QuantizedTensor
-from tutorial_lib.dist.training_state import (
+from tutorial_lib.dist.mesh import world_mesh
+from tutorial_lib.dist.runtime import resolve_device
+from tutorial_lib.lessons.dcp_pitfalls import (
     RunConfig,
     assemble_full,
     checkpoint_run,
     load_unsharded,
     reshard_load_run,
 )
-from tutorial_lib.dist.runtime import resolve_device
+from tutorial_lib.quant.float8 import Float8Tensor
+from tutorial_lib.quant.serialization import register_safe_globals
+from tutorial_lib.quant.tensor import QuantizedTensor
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
@@ -59,7 +71,7 @@ def _max_ranks(device) -> int:
 
 def _saved(run, world_size, device):
     root, results = run(world_size)
-    return root, results, assemble_full([r["saved"] for r in results])
+    return root, results, assemble_full([r.saved for r in results])
 
 
 @pytest.fixture(scope="module")
@@ -90,29 +102,28 @@ def run(device):
 def test_contract_resume_equals_the_run_that_never_stopped(run, mode):
     _, results = run(2)
     for r in results:
-        got = r[mode]
-        assert torch.equal(got["loss"], r["ref_loss"]), f"rank {r['rank']}: next loss differs"
-        assert got["after_mismatch"] == [], f"rank {r['rank']}: state after one more step differs"
-        assert got["loaded_mismatch"] == []
+        got = r.resumes[mode]
+        assert torch.equal(got.loss, r.ref_loss), f"rank {r.rank}: next loss differs"
+        assert got.after_mismatch == [], f"rank {r.rank}: state after one more step differs"
+        assert got.loaded_mismatch == []
 
 
 def test_the_reference_step_changes_every_weight_and_quantizer(run):
     """So 'equal after one more step' cannot pass by a step that does nothing."""
     _, results = run(2)
     for r in results:
-        before = {k: v[1] for k, v in r["saved"].items()}
-        after = {k: v[1] for k, v in r["ref_after"].items()}
+        before, after = r.saved.tensors, r.ref_after.tensors
         changed = set(mismatched_keys(after, before))
         weights = {k for k in before if k.startswith("model.") and k.endswith("weight")}
         assert weights <= changed
         assert {k for k in before if k.startswith("quantizers.") and ".fc1." in k} <= changed  # delayed history
-        assert r["losses"][0] != r["losses"][-1]
+        assert r.losses[0] != r.losses[-1]
 
 
 def test_scratch_checkpoint_dir_made_inside_the_ranks_is_gone(run):
     _, results = run(2)
-    assert results[0]["scratch_dir"] == results[1]["scratch_dir"]  # one shared directory
-    assert not os.path.exists(results[0]["scratch_dir"])
+    assert results[0].scratch_dir == results[1].scratch_dir  # one shared directory
+    assert not os.path.exists(results[0].scratch_dir)
 
 
 # ----------------------------------------------------------------------------- resharding
@@ -122,10 +133,10 @@ def test_scratch_checkpoint_dir_made_inside_the_ranks_is_gone(run):
 def test_contract_reshard_2_to_1_restores_every_tensor_exactly(run, device, planner):
     root, _, expected = _saved(run, 2, device)
     got = load_unsharded(os.path.join(root, "sync"), CFG, planner)
-    assert set(got) == set(expected)
+    assert set(got.tensors) == set(expected)
     quantized = [k for k, v in expected.items() if isinstance(v, QuantizedTensor)]
     assert len(quantized) == 2 * CFG.n_blocks
-    assert mismatched_keys({k: v[1] for k, v in got.items()}, expected) == []
+    assert mismatched_keys(got.tensors, expected) == []
 
 
 @pytest.mark.parametrize("save_ws,load_ws", [(2, 1), (2, 4), (4, 2)])
@@ -138,7 +149,7 @@ def test_reshard_n_to_m_on_ranks(run, device, save_ws, load_ws):
     for mode in ("sync", "async"):
         out = launch(reshard_load_run, world_size=load_ws, device=device, args=(root, CFG, expected, mode),
                      timeout=300)
-        assert [r["mismatch"] for r in out] == [[]] * load_ws, mode
+        assert [r.mismatch for r in out] == [[]] * load_ws, mode
 
 
 # ----------------------------------------------------------------------------- export
@@ -149,7 +160,7 @@ def test_fp32_safetensors_export_has_full_shapes_and_master_values(run, device):
     values = exported_values(os.path.join(root, "export.safetensors"))
     model_keys = {k.removeprefix("model.") for k in expected if k.startswith("model.")}
     assert set(values) == model_keys  # no optimizer, quantizer or extra-state keys
-    sources = results[0]["export_sources"]
+    sources = results[0].export_sources
     for key, v in values.items():
         assert v.dtype == torch.float32
         assert tuple(v.shape) == tuple(expected[f"model.{key}"].shape), key  # full, not a shard
@@ -163,8 +174,6 @@ def test_fp32_safetensors_export_has_full_shapes_and_master_values(run, device):
 
 def test_export_without_optimizer_dequantizes_and_excludes_extra_state():
     from test_checkpoint import _FixedExtraStateLinear
-
-    from tutorial_lib.dist.export import export_fp32_safetensors
 
     m = _FixedExtraStateLinear(steps=2)
     assert "_extra_state" in m.state_dict()
@@ -195,17 +204,8 @@ def test_plain_dcp_save_into_a_used_dir_mixes_two_runs(run, device):
 
 def _empty_shard_run(root: str) -> dict:
     """A [1, 8] FP8 weight on 2 ranks: rank 1's shard is EMPTY, so no chunk is ever read there."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    from tutorial_lib.dist.checkpoint import QuantizedLoadPlanner, load_checkpoint
-    from tutorial_lib.quant.float8 import Float8Tensor
-    from tutorial_lib.dist.launcher import rank_device
-    from tutorial_lib.quant.tensor import register_safe_globals
-
-    rank, dev = dist.get_rank(), rank_device()
-    mesh = init_device_mesh(dev.type, (dist.get_world_size(),))
+    rank = dist.get_rank()
+    mesh, dev = world_mesh()
 
     def param(full, scale):
         local = full[rank : rank + 1].to(dev)  # torch.chunk of 1 row over 2 ranks: rank 1 holds 0 rows

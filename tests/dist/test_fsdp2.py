@@ -1,5 +1,7 @@
 """FSDP2 all-gather hooks for quantized tensors (tutorial_lib.dist.fsdp2), on 2 CPU ranks.
 
+The scenarios are the rank functions of lesson 06 (tutorial_lib.lessons.fsdp2_quantized_init).
+
 ONE launch (module fixture) runs every scenario -- on CPU, or on 2 GPUs with ``--nb-device cuda`` /
 where GPUs are visible -- and the tests then check the results:
 
@@ -7,7 +9,7 @@ where GPUs are visible -- and the tests then check the results:
   equals the single-process quantized model bit for bit -- the derived tolerance is ZERO, because
   the reference sees the same micro-batches (same matmul shapes on the same data) and FSDP2's
   gradient average over 2 ranks is exact (a halving and a two-term sum); see
-  ``quantized_init.train_compare``. Per-tensor FP8 with uneven shards and reshard_after_forward
+  ``train_compare``. Per-tensor FP8 with uneven shards and reshard_after_forward
   True and False, MXFP8, NVFP4 and FP8 128x128 blockwise, and the older 1-argument hook form; on
   GPUs also with the compute stream lagging behind the host (FSDP2's prefetch reuses freed memory);
 * bytes: every all-gather moves exactly the quantized buffers (codes + per-block scales; a
@@ -19,17 +21,10 @@ where GPUs are visible -- and the tests then check the results:
 
 import pytest
 
-from tutorial_lib.dist.fsdp2 import (
-    allgather_demo,
-    attach_fsdp2_hooks,
-    hook_form,
-    installed_pre_all_gather_form,
-    pitfall_demo,
-    run_sequence,
-)
-from tutorial_lib.dist.launcher import launch
-from tutorial_lib.dist.quantized_init import train_compare
+from tutorial_lib.dist.fsdp2 import attach_fsdp2_hooks, hook_form, installed_pre_all_gather_form
+from tutorial_lib.dist.launcher import launch, run_sequence
 from tutorial_lib.dist.runtime import resolve_device
+from tutorial_lib.lessons.fsdp2_quantized_init import allgather_demo, pitfall_demo, train_compare
 
 pytestmark = pytest.mark.distributed
 
@@ -41,8 +36,8 @@ SCENARIOS = {
     "fp8 lagging stream": (train_compare, dict(dim=32, hidden=64, n_blocks=4, steps=3, recipe="fp8", lag_ms=2.0)),
     "fp8 1-arg hooks": (train_compare, dict(dim=32, hidden=64, n_blocks=1, steps=2, hook_form="1-arg")),
     "mxfp8": (train_compare, dict(dim=32, hidden=64, n_blocks=1, steps=2, recipe="mxfp8")),
-    "nvfp4": (train_compare, dict(dim=32, hidden=64, n_blocks=1, steps=2, recipe="nvfp4")),
-    "fp8_blockwise": (train_compare, dict(dim=256, hidden=256, n_blocks=1, steps=2, recipe="fp8_blockwise")),
+    "nvfp4_16x16": (train_compare, dict(dim=32, hidden=64, n_blocks=1, steps=2, recipe="nvfp4_16x16")),
+    "fp8_128x128": (train_compare, dict(dim=256, hidden=256, n_blocks=1, steps=2, recipe="fp8_128x128")),
     "allgather": (allgather_demo, dict(dim=32, hidden=64, n_blocks=2)),
     "pitfalls": (pitfall_demo, dict(dim=32, hidden=64)),
 }
@@ -99,9 +94,9 @@ def _gather_bytes(dim, hidden, n_blocks, recipe, plain_bytes):
             total += rows * k
         elif recipe == "mxfp8":  # codes + one E8M0 byte per 1x32 block
             total += rows * k + rows * (k // 32)
-        elif recipe == "nvfp4":  # two E2M1 codes per byte + one E4M3 byte per 16x16 tile (global scale: metadata)
+        elif recipe == "nvfp4_16x16":  # two E2M1 codes per byte + one E4M3 byte per 16x16 tile (global scale: metadata)
             total += rows * k // 2 + (rows // 16) * (k // 16)
-        elif recipe == "fp8_blockwise":  # codes + one fp32 scale per 128x128 tile
+        elif recipe == "fp8_128x128":  # codes + one fp32 scale per 128x128 tile
             total += rows * k + (rows // 128) * (k // 128) * 4
     return total
 
@@ -118,21 +113,21 @@ def test_hook_form_of_this_torch_is_attached():
 def test_sharded_training_equals_single_process_bit_for_bit(results, name):
     for res in results:
         r = res[name]
-        assert r["losses"] == r["ref_losses"], "losses differ"
-        bad = {n: p["max_abs_diff"] for n, p in r["params"].items() if not p["equal"]}
+        assert r.losses == r.ref_losses, "losses differ"
+        bad = {n: p.max_abs_diff for n, p in r.params.items() if not p.equal}
         assert not bad, f"parameters differ from the single-process model: {bad}"
-        assert r["masters_equal"]
-        assert r["fallbacks"] == {}, "a quantized weight was silently dequantized during training"
+        assert r.masters_equal
+        assert r.fallbacks == {}, "a quantized weight was silently dequantized during training"
 
 
 @pytest.mark.parametrize("name", TRAINING)
 def test_weights_actually_change(results, name):
     r = results[0][name]
-    for n, p in r["params"].items():
-        if p["quantized"]:
+    for n, p in r.params.items():
+        if p.quantized:
             # the shared scale follows the amax, and lr=1e-2 moves every master: nearly every value moves
-            assert p["changed_fraction"] > 0.5, n
-    assert r["losses"][0] != r["losses"][-1]
+            assert p.changed_fraction > 0.5, n
+    assert r.losses[0] != r.losses[-1]
 
 
 @pytest.mark.parametrize("name", TRAINING)
@@ -143,36 +138,38 @@ def test_all_gather_bytes_are_the_quantized_buffers_exactly(results, name):
     rounds = 2 if kw.get("reshard_after_forward", True) else 1  # backward re-gathers after a reshard
     for res in results:
         r = res[name]
-        assert r["expected_bytes_per_gather"]["total"] == per_round
-        assert r["gather_bytes"] == [rounds * per_round] * kw["steps"]
-        assert r["gathers"] == [rounds * (kw["n_blocks"] + 1)] * kw["steps"]
+        assert r.expected_bytes_per_gather.total == per_round
+        assert r.gather_bytes == [rounds * per_round] * kw["steps"]
+        assert r.gathers == [rounds * (kw["n_blocks"] + 1)] * kw["steps"]
 
 
 def test_fp8_all_gather_is_about_half_of_bf16_and_unshard_is_exact(results):
     for res in results:
         r = res["allgather"]
-        fp8, bf16 = r["fp8"], r["bf16"]
-        assert fp8["measured"] == 2 * _gather_bytes(32, 64, 2, "fp8", plain_bytes=2)
-        assert bf16["measured"] == 2 * _gather_bytes(32, 64, 2, "bf16", plain_bytes=2)
-        assert fp8["expected"]["bf16_equivalent"] == bf16["expected"]["total"]
-        assert fp8["received"] == WS * fp8["measured"]
+        assert r.recipe == "fp8"
+        fp8, bf16 = r.quantized, r.bf16
+        assert fp8.measured == 2 * _gather_bytes(32, 64, 2, "fp8", plain_bytes=2)
+        assert bf16.measured == 2 * _gather_bytes(32, 64, 2, "bf16", plain_bytes=2)
+        assert fp8.expected.bf16_equivalent == bf16.expected.total
+        assert fp8.received == WS * fp8.measured
         for model in (fp8, bf16):
-            for name, cmp in model["unshard"].items():
-                assert cmp["buffers_equal"] and cmp["values_equal"], name
-        assert r["ops_in_step"] == ["aten.as_strided.default", "aten.detach.default", "aten.view.default"]
+            for name, cmp in model.unshard.items():
+                assert cmp.buffers_equal and cmp.values_equal, name
+        assert r.ops_in_step == ["aten.as_strided.default", "aten.detach.default", "aten.view.default"]
 
 
 def test_per_shard_scales_decode_wrongly_and_verification_catches_it(results):
     for res in results:
-        bad, good = res["pitfalls"]["share_scales=False"], res["pitfalls"]["share_scales=True"]
-        assert bad["buffers_equal"] and not bad["values_equal"]  # the right bytes, decoded with the wrong scale
-        assert bad["max_abs_err"] > 0.9 * bad["max_abs"]  # the 64x outlier shard read with rank 0's scale
-        assert bad["verify"].startswith("ScaleMismatchError: buffer 'scale_inv' differs across the shard group")
-        assert good["values_equal"] and good["max_abs_err"] == 0.0 and good["verify"] == "ok"
+        bad, good = res["pitfalls"].per_shard_scales, res["pitfalls"].shared_scales
+        assert not bad.share_scales and good.share_scales
+        assert bad.unshard.buffers_equal and not bad.unshard.values_equal  # the right bytes, wrong scale
+        assert bad.unshard.max_abs_err > 0.9 * bad.unshard.max_abs  # the 64x outlier shard read with rank 0's scale
+        assert bad.verify.startswith("ScaleMismatchError: buffer 'scale_inv' differs across the shard group")
+        assert good.unshard.values_equal and good.unshard.max_abs_err == 0.0 and good.verify == "ok"
 
 
 def test_copying_into_out_breaks_backward_and_aliasing_does_not(results):
     for res in results:
         p = res["pitfalls"]
-        assert "modified by an inplace operation" in p["post_all_gather=copy"]
-        assert p["post_all_gather=alias"] == "ok"
+        assert "modified by an inplace operation" in p.post_all_gather_copy
+        assert p.post_all_gather_alias == "ok"

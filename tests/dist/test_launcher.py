@@ -8,10 +8,11 @@ import time
 
 import psutil
 import pytest
+import rank_functions as rf  # tests/dist/rank_functions.py: pytest puts this folder on sys.path
 import torch
 
-from tutorial_lib.lessons import start_here
 from tutorial_lib.dist.launcher import LaunchTimeout, RankFailed, launch, rank_device
+from tutorial_lib.lessons import start_here
 
 pytestmark = pytest.mark.distributed
 
@@ -27,22 +28,22 @@ def _gone(pids, within=10.0):
 
 
 def test_results_in_rank_order_with_collective():
-    out = launch(demos.allreduce_demo, world_size=2, device="cpu", args=(5,), timeout=120)
+    out = launch(start_here.allreduce_demo, world_size=2, device="cpu", args=(5,), timeout=120)
     expected = torch.arange(5, dtype=torch.float32) * 3
-    assert [r["rank"] for r in out] == [0, 1]
+    assert [r.rank for r in out] == [0, 1]
     for r in out:
-        assert r["backend"] == "gloo"
-        assert torch.equal(r["received"], expected)
-    assert torch.equal(out[1]["sent"], torch.arange(5, dtype=torch.float32) * 2)
+        assert type(r) is start_here.AllReduceResult and r.backend == "gloo" and r.world_size == 2
+        assert torch.equal(r.received, expected)
+    assert torch.equal(out[1].sent, torch.arange(5, dtype=torch.float32) * 2)
 
 
 def test_world_size_three():
-    out = launch(demos.allreduce_demo, world_size=3, device="cpu", args=(4,), timeout=120)
-    assert all(torch.equal(r["received"], torch.arange(4, dtype=torch.float32) * 6) for r in out)
+    out = launch(start_here.allreduce_demo, world_size=3, device="cpu", args=(4,), timeout=120)
+    assert all(torch.equal(r.received, torch.arange(4, dtype=torch.float32) * 6) for r in out)
 
 
 def test_rank_output_prefixed(capsys):
-    launch(demos.allreduce_demo, world_size=2, device="cpu", args=(4,), timeout=120)
+    launch(start_here.allreduce_demo, world_size=2, device="cpu", args=(4,), timeout=120)
     text = capsys.readouterr().out
     assert "[rank 0] sent [0.0, 1.0, 2.0, 3.0]" in text
     assert "[rank 1] sent [0.0, 2.0, 4.0, 6.0]" in text
@@ -51,18 +52,18 @@ def test_rank_output_prefixed(capsys):
 def test_raising_rank_traceback_reaches_caller():
     start = time.monotonic()
     with pytest.raises(RankFailed) as info:
-        launch(demos.fail_on_rank, world_size=2, device="cpu", args=(1, "boom-xyz"), timeout=120,
+        launch(start_here.fail_on_rank, world_size=2, device="cpu", args=(1, "boom-xyz"), timeout=120,
                collective_timeout=30, echo=False)
     assert info.value.rank == 1
     msg = str(info.value)
-    assert "ValueError: boom-xyz on rank 1" in msg and "demos.py" in msg and "Traceback" in msg
+    assert "ValueError: boom-xyz on rank 1" in msg and "start_here.py" in msg and "Traceback" in msg
     assert time.monotonic() - start < 25, "a raising rank must fail the launch promptly, not at the timeout"
 
 
 def test_killed_rank_fails_fast_and_names_signal():
     start = time.monotonic()
     with pytest.raises(RankFailed) as info:
-        launch(demos.die_on_rank, world_size=2, device="cpu", args=(0,), timeout=120,
+        launch(rf.die_on_rank, world_size=2, device="cpu", args=(0,), timeout=120,
                collective_timeout=60, echo=False)
     assert info.value.rank == 0
     assert "SIGKILL" in str(info.value)
@@ -73,10 +74,11 @@ def test_hanging_rank_times_out_and_every_child_is_reaped(tmp_path):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     start = time.monotonic()
-    with pytest.raises(LaunchTimeout, match="timed out after 6 s"):
-        launch(demos.report_pid_then_hang, world_size=2, device="cpu", args=(str(pid_dir),), timeout=6, echo=False)
+    # 12 s: both ranks must have started (imports take several seconds on a loaded 2-core machine)
+    with pytest.raises(LaunchTimeout, match="timed out after 12 s"):
+        launch(rf.report_pid_then_hang, world_size=2, device="cpu", args=(str(pid_dir),), timeout=12, echo=False)
     elapsed = time.monotonic() - start
-    assert elapsed < 6 + 15, f"timeout of 6 s took {elapsed:.1f} s"
+    assert elapsed < 12 + 15, f"timeout of 12 s took {elapsed:.1f} s"
     pids = [int(p.read_text()) for p in pid_dir.iterdir()]
     assert len(pids) == 2, "both ranks should have started"
     assert _gone(pids), f"ranks {pids} survived the timeout"
@@ -100,10 +102,10 @@ def test_too_many_ranks_for_gpus():
     if torch.cuda.is_available():
         n = torch.cuda.device_count() + 1
         with pytest.raises(ValueError, match=f"world_size {n} needs one GPU per rank"):
-            launch(demos.allreduce_demo, world_size=n, device="cuda")
+            launch(start_here.allreduce_demo, world_size=n, device="cuda")
     else:
         with pytest.raises(RuntimeError, match="no CUDA device"):
-            launch(demos.allreduce_demo, world_size=2, device="cuda")
+            launch(start_here.allreduce_demo, world_size=2, device="cuda")
 
 
 def test_rank_device_outside_launch():
@@ -113,16 +115,18 @@ def test_rank_device_outside_launch():
 
 _SCRIPT = textwrap.dedent(
     """
-    import json, sys
+    import dataclasses, json, sys
+    sys.path.insert(0, {here!r})  # rank_functions; spawned ranks inherit this sys.path
+    import rank_functions as rf
     from tutorial_lib.dist.launcher import launch, RankFailed
     from tutorial_lib.lessons import start_here
     def main():
-        ok = launch(demos.rank_identity, world_size=2, device="cpu", timeout=120, echo=False)
+        ok = launch(rf.rank_identity, world_size=2, device="cpu", timeout=120, echo=False)
         try:
-            launch(demos.fail_on_rank, world_size=2, device="cpu", args=(0,), timeout=120, echo=False)
+            launch(start_here.fail_on_rank, world_size=2, device="cpu", args=(0,), timeout=120, echo=False)
         except RankFailed:
             pass
-        print("RESULT " + json.dumps(ok))
+        print("RESULT " + json.dumps([dataclasses.asdict(r) for r in ok]))
     if __name__ == "__main__":
         main()
     """
@@ -131,7 +135,7 @@ _SCRIPT = textwrap.dedent(
 
 def test_concurrent_launches_are_isolated_and_leave_no_temp_files(tmp_path):
     script = tmp_path / "launch_twice.py"
-    script.write_text(_SCRIPT)
+    script.write_text(_SCRIPT.format(here=rf.HERE))
     procs, tmpdirs = [], []
     for i in range(2):
         d = tmp_path / f"tmp{i}"
@@ -157,9 +161,9 @@ def test_concurrent_launches_are_isolated_and_leave_no_temp_files(tmp_path):
 def test_a_failed_rendezvous_is_retried_once_with_a_fresh_port(tmp_path, monkeypatch, capsys):
     marker = tmp_path / "fault"
     monkeypatch.setenv("TUTORIAL_LAUNCH_FAULT", str(marker))
-    out = launch(demos.rank_identity, world_size=2, device="cpu", timeout=120)
+    out = launch(rf.rank_identity, world_size=2, device="cpu", timeout=120)
     assert marker.exists(), "the first attempt's rank 1 failed its rendezvous"
-    assert [r["rank"] for r in out] == [0, 1]
+    assert [r.rank for r in out] == [0, 1]
     assert "rendezvous failed before rank_identity ran" in capsys.readouterr().out
 
 
@@ -167,10 +171,10 @@ def test_a_failure_inside_user_code_is_never_retried(tmp_path, monkeypatch):
     monkeypatch.setenv("TUTORIAL_LAUNCH_FAULT", str(tmp_path / "unused"))
     (tmp_path / "unused").touch()  # fault already spent: only the user-code failure remains
     with pytest.raises(RankFailed, match="boom-once"):
-        launch(demos.fail_on_rank, world_size=2, device="cpu", args=(1, "boom-once"), timeout=120, echo=False)
+        launch(start_here.fail_on_rank, world_size=2, device="cpu", args=(1, "boom-once"), timeout=120, echo=False)
 
 
 def test_cpu_ranks_share_the_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    out = launch(demos.rank_identity, world_size=2, device="cpu", timeout=120, echo=False)
-    assert [r["threads"] for r in out] == [max(1, (os.cpu_count() or 1) // 2)] * 2
+    out = launch(rf.rank_identity, world_size=2, device="cpu", timeout=120, echo=False)
+    assert [r.threads for r in out] == [max(1, (os.cpu_count() or 1) // 2)] * 2

@@ -3,54 +3,55 @@
 Single-process tests cover the meta -> quantize-on-meta -> materialise path without FSDP2 (it
 must equal quantizing the eagerly built model, byte for byte, for every format), the clear
 errors for shapes a format cannot shard, and the peak-memory probe. One launch at world size
-2 measures the four init variants of lesson 06 and checks their order and resident bytes.
+2 measures the four init variants of lesson 06 (``init_memory_demo`` of
+tutorial_lib.lessons.fsdp2_quantized_init) and checks their order and resident bytes.
 """
 
 import pytest
 import torch
 
 from tutorial_lib.dist.fsdp2 import UnshardableError, check_fsdp_shardable, dim0_granularity
-from tutorial_lib.optim.fused_adam import HP_INIT_ATTR
 from tutorial_lib.dist.launcher import launch
-from tutorial_lib.models import BlockMLP
 from tutorial_lib.dist.quantized_init import (
-    RECIPES,
+    HP_INIT_ATTR,
     MasterWeights,
-    init_memory_demo,
     materialize_sharded_,
     meta_quantized,
     quantize_params_,
     quantize_params_on_meta_,
-    track_peak_memory,
 )
-from tutorial_lib.quant.tensor import QuantizedTensor, is_quantized
 from tutorial_lib.dist.runtime import resolve_device
-from tutorial_lib.quant.per_tensor import CurrentScaling, DelayedScaling
+from tutorial_lib.harness.bench import track_peak_memory
+from tutorial_lib.lessons.fsdp2_quantized_init import init_memory_demo
+from tutorial_lib.models import BlockMLP
+from tutorial_lib.quant.float8 import CurrentScaling, DelayedScaling
+from tutorial_lib.quant.registry import recipe
+from tutorial_lib.quant.tensor import QuantizedTensor, is_quantized
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _meta_model(dims, recipe, world_size=1, seed=1):
+def _meta_model(dims, fmt, world_size=1, seed=1):
     with torch.device("meta"):
         model = BlockMLP(*dims, seed=seed)
-    quantize_params_on_meta_(model, RECIPES[recipe](), world_size)
+    quantize_params_on_meta_(model, recipe(fmt), world_size)
     return model
 
 
 # ----------------------------------------------------------------------------- the meta path equals eager quantization
 
 
-@pytest.mark.parametrize(("recipe", "dims"), [
+@pytest.mark.parametrize(("fmt", "dims"), [
     ("fp8", (15, 33, 2)),  # streaming two-pass path (current scaling), odd shapes
     ("mxfp8", (32, 64, 1)),  # generic path: quantize the shard's fp32 rows at once
-    ("nvfp4", (32, 64, 1)),  # its quantizer cannot run on meta: probed on a small real tensor
+    ("nvfp4_16x16", (32, 64, 1)),  # its quantizer cannot run on meta: probed on a small real tensor
 ])
-def test_meta_init_equals_eager_quantization(recipe, dims):
-    model = _meta_model(dims, recipe)
+def test_meta_init_equals_eager_quantization(fmt, dims):
+    model = _meta_model(dims, fmt)
     q = model.blocks[0].fc1.weight
     assert isinstance(q, QuantizedTensor) and q.is_meta and isinstance(q, torch.nn.Parameter)
     materialize_sharded_(model, "cpu", preserve_high_precision=True)
-    ref = quantize_params_(BlockMLP(*dims, seed=1), RECIPES[recipe](), preserve_high_precision=True)
+    ref = quantize_params_(BlockMLP(*dims, seed=1), recipe(fmt), preserve_high_precision=True)
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
         assert not p.is_meta, name
         if is_quantized(r):
@@ -89,15 +90,15 @@ def test_format_that_cannot_quantize_the_shape_names_param_and_block():
     with torch.device("meta"):
         model = BlockMLP(100, 64, 1)  # fc1.weight is [64, 100]: 100 is not a multiple of 32
     with pytest.raises(ValueError, match=r"blocks\.0\.fc1\.weight \[64, 100\].*last dim 100.*32-element MX block"):
-        quantize_params_on_meta_(model, RECIPES["mxfp8"](), 2)
+        quantize_params_on_meta_(model, recipe("mxfp8"), 2)
 
 
 def test_block_boundary_inside_a_shard_is_refused():
     with torch.device("meta"):
         model = BlockMLP(256, 128, 1)  # fc1.weight [128, 256]: 2 ranks get 64 rows, tiles are 128 rows
     with pytest.raises(UnshardableError, match=r"fc1\.weight.*64 rows.*128-row scale block.*multiple of 256"):
-        quantize_params_on_meta_(model, RECIPES["fp8_blockwise"](), 2)
-    _meta_model((256, 256, 1), "fp8_blockwise", world_size=2)  # 128-row shards: fine
+        quantize_params_on_meta_(model, recipe("fp8_128x128"), 2)
+    _meta_model((256, 256, 1), "fp8_128x128", world_size=2)  # 128-row shards: fine
 
 
 def test_uneven_shards_need_buffers_shaped_like_the_tensor():
@@ -129,14 +130,14 @@ def test_dim0_granularity_from_the_layout():
 
 def test_materialising_a_model_that_is_not_on_meta_is_refused():
     with pytest.raises(ValueError, match="not on the meta device"):
-        quantize_params_on_meta_(BlockMLP(8, 8, 1), RECIPES["fp8"](), 1)
+        quantize_params_on_meta_(BlockMLP(8, 8, 1), recipe("fp8"), 1)
 
 
 # ----------------------------------------------------------------------------- master weights (single process)
 
 
 def test_master_weights_seed_from_the_preserved_init_and_requantize():
-    model = quantize_params_(BlockMLP(16, 32, 1, seed=2), RECIPES["fp8"](), preserve_high_precision=True)
+    model = quantize_params_(BlockMLP(16, 32, 1, seed=2), recipe("fp8"), preserve_high_precision=True)
     w = model.blocks[0].fc1.weight
     hp = getattr(w, HP_INIT_ATTR).clone()
     masters = MasterWeights(model)
@@ -176,14 +177,16 @@ def test_quantized_meta_init_peak_is_below_bf16_init(request):
     res = launch(init_memory_demo, world_size=2, device=device, args=(dim, hidden, n_blocks), timeout=240,
                  echo=False)
     for r in res:
-        v = r["variants"]
-        whole, meta, fp8, kept = (v["bf16, built whole"], v["bf16, meta init"], v["fp8, meta init"],
-                                  v["fp8, meta init + fp32 init kept"])
+        whole, meta, fp8, kept = r.variants
+        assert (whole, meta, fp8, kept) == (r.bf16_built_whole, r.bf16_meta_init, r.quantized_meta_init,
+                                            r.quantized_meta_init_hp_kept)
+        assert [v.label for v in r.variants] == ["bf16, built whole", "bf16, meta init", "fp8, meta init",
+                                                 "fp8, meta init + fp32 init kept"]
         weights = n_blocks * 2 * dim * hidden // 2  # Linear weight elements per rank (even shards)
-        others = (r["params"] - n_blocks * 2 * dim * hidden) // 2  # biases and norms, bf16
-        assert meta["resident"] == whole["resident"] == 2 * (weights + others)
-        assert fp8["resident"] == 1 * weights + 4 * n_blocks * 2 + 2 * others  # FP8 bytes + one fp32 scale each
-        assert kept["resident"] == fp8["resident"] + 4 * weights  # + the fp32 init rows for the masters
-        assert fp8["peak"] < meta["peak"] < whole["peak"]
-        assert whole["peak"] >= 2 * 2 * (weights + others)  # the whole bf16 model existed on this rank
-        assert fp8["peak"] < 2 * (weights + others)  # below even the sharded bf16 model's resident bytes
+        others = (r.params - n_blocks * 2 * dim * hidden) // 2  # biases and norms, bf16
+        assert meta.resident == whole.resident == 2 * (weights + others)
+        assert fp8.resident == 1 * weights + 4 * n_blocks * 2 + 2 * others  # FP8 bytes + one fp32 scale each
+        assert kept.resident == fp8.resident + 4 * weights  # + the fp32 init rows for the masters
+        assert fp8.peak < meta.peak < whole.peak
+        assert whole.peak >= 2 * 2 * (weights + others)  # the whole bf16 model existed on this rank
+        assert fp8.peak < 2 * (weights + others)  # below even the sharded bf16 model's resident bytes

@@ -35,7 +35,8 @@ def test_there_are_lessons():
 
 @pytest.mark.parametrize("path", LESSONS, ids=[p.stem for p in LESSONS])
 def test_lesson_is_committed_clean_and_well_formed(path):
-    assert not has_outputs(path), f"{path.name} carries outputs: run `python -m tutorial_lib.harness.notebooks strip {path}`"
+    assert not has_outputs(path), (
+        f"{path.name} carries outputs: run `python -m tutorial_lib.harness.notebooks strip {path}`")
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3"

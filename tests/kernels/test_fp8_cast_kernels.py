@@ -18,6 +18,7 @@ from tutorial_kernels import interpreted
 from tutorial_kernels.fp8_round import decode_fp8, round_to_bf16_grid, round_to_fp8_grid
 
 import tutorial_lib.quant.per_tensor as ref
+from tutorial_lib.quant.float8 import CurrentScaling, DelayedScaling
 from tutorial_lib.quant.formats import FORMATS, all_codes, all_values
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -273,14 +274,14 @@ def test_bad_input_errors():
 def test_quantizers_give_identical_bytes_on_both_backends():
     xs = [_awkward(2 * BLOCK + 9, torch.bfloat16, s) * (10.0 if s == 12 else 1.0) for s in range(10, 14)]
     for pow2 in (False, True):
-        a, b = ref.CurrentScaling(pow2=pow2, backend="triton"), ref.CurrentScaling(pow2=pow2, backend="torch")
+        a, b = CurrentScaling(pow2=pow2, backend="triton"), CurrentScaling(pow2=pow2, backend="torch")
         qa, qb = a.quantize(xs[0]), b.quantize(xs[0])
         for x in xs[1:]:  # in-place requantize (the speculative path when pow2)
             a.quantize_into(qa, x)
             b.quantize_into(qb, x)
             assert torch.equal(qa.raw_buffers()["data"], qb.raw_buffers()["data"])
             assert torch.equal(qa.raw_buffers()["scale_inv"], qb.raw_buffers()["scale_inv"])
-    da, db = ref.DelayedScaling(history_len=2, backend="triton"), ref.DelayedScaling(history_len=2, backend="torch")
+    da, db = DelayedScaling(history_len=2, backend="triton"), DelayedScaling(history_len=2, backend="torch")
     for x in xs:
         assert torch.equal(da.quantize(x).raw_buffers()["data"], db.quantize(x).raw_buffers()["data"])
         assert torch.equal(da.amax_history, db.amax_history) and torch.equal(da.scale, db.scale)

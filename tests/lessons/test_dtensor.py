@@ -12,11 +12,10 @@ import math
 import pytest
 import torch
 
-from tutorial_lib.lessons import dtensor as db
-from tutorial_lib.dist.fsdp2 import run_sequence
-from tutorial_lib.dist.launcher import launch
-from tutorial_lib.models import BlockMLP, counter_uniform, local_rows, shard_rows
+from tutorial_lib.dist.launcher import launch, run_sequence
 from tutorial_lib.dist.runtime import resolve_device
+from tutorial_lib.lessons import dtensor as db
+from tutorial_lib.models import BlockMLP, counter_uniform, local_rows, shard_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -136,49 +135,65 @@ def lesson05(request):
 def test_placements(lesson05):
     for rank, res in enumerate(lesson05):
         p = res["placements"]
-        x = p["global"]
-        assert torch.equal(p["S(0)"]["local"], x[2 * rank:2 * rank + 2])
-        assert torch.equal(p["S(1)"]["local"], x[:, 3 * rank:3 * rank + 3])
-        assert torch.equal(p["R"]["local"], x)
-        assert all(p[k]["full_equal"] for k in ("S(0)", "S(1)", "R"))
-        assert torch.equal(p["Partial()"]["local"], x * (rank + 1))
-        assert torch.equal(p["Partial()"]["reduced"], p["Partial()"]["expected"])
-        assert p["Partial()"]["comms"] == {"all_reduce": 1}
-        assert p["uneven"]["rows"] == [2, 1][rank] and p["uneven"]["full_equal"]
+        assert isinstance(p, db.PlacementsResult) and p.rank == rank
+        x = p.global_tensor
+        assert (p.shard0.placement, p.shard1.placement, p.replicate.placement) == ("S(0)", "S(1)", "R")
+        assert torch.equal(p.shard0.local, x[2 * rank:2 * rank + 2])
+        assert torch.equal(p.shard1.local, x[:, 3 * rank:3 * rank + 3])
+        assert torch.equal(p.replicate.local, x)
+        assert all(s.full_equal for s in (p.shard0, p.shard1, p.replicate))
+        assert torch.equal(p.partial.local, x * (rank + 1))
+        assert torch.equal(p.partial.reduced, p.partial.expected)
+        assert p.partial.comms == {"all_reduce": 1}
+        assert p.uneven.rows == [2, 1][rank] and p.uneven.expected == [(0, 2), (2, 3)][rank] and p.uneven.full_equal
 
 
 @pytest.mark.distributed
 def test_redistribute_runs_the_expected_collective(lesson05):
-    rows = {(r["from"], r["to"]): r for r in lesson05[0]["redistribute"]["rows"]}
-    assert rows[("S(0)", "S(1)")]["comms"] and rows[("S(0)", "S(1)")]["local_shape"] == (8, 4)
-    assert rows[("S(0)", "R")]["comms"] == {"all_gather_into_tensor": 1}
-    assert rows[("R", "S(0)")]["comms"] == {}  # a local slice: no communication
-    assert rows[("P(sum)", "R")]["comms"] == {"all_reduce": 1}
-    assert all(r["max_err"] == 0.0 for r in rows.values())
+    rows = {(r.src, r.dst): r for r in lesson05[0]["redistribute"].rows}
+    assert rows[("S(0)", "S(1)")].comms and rows[("S(0)", "S(1)")].local_shape == (8, 4)
+    assert rows[("S(0)", "R")].comms == {"all_gather_into_tensor": 1}
+    assert rows[("R", "S(0)")].comms == {}  # a local slice: no communication
+    assert rows[("P(sum)", "R")].comms == {"all_reduce": 1}
+    assert all(r.max_err == 0.0 for r in rows.values())
 
 
 @pytest.mark.distributed
 def test_dtensor_of_float8_shards(lesson05):
     a, b = (r["quantized"] for r in lesson05)
-    assert a["local_type"] == "Float8Tensor"
-    assert torch.equal(a["scale_inv"], b["scale_inv"])  # one all-reduced scale
-    steps = {s["op"]: s for s in a["steps"]}
-    assert steps["dt.t()"]["local"] == "Float8Tensor" and steps["dt.t()"]["fallbacks"] == []
-    assert steps["dt.t()"]["quantized_layer_saw"] == ["aten.t.default"]
-    assert steps["dt.view(-1)"]["local"] == "Float8Tensor"
-    assert steps["dt * 2"]["local"] == "Tensor" and steps["dt * 2"]["fallbacks"] == ["aten.mul.Tensor"]
+    assert a.local_type == "Float8Tensor"
+    assert torch.equal(a.scale_inv, b.scale_inv)  # one all-reduced scale
+    steps = {s.op: s for s in a.steps}
+    assert steps["dt.t()"].local == "Float8Tensor" and steps["dt.t()"].fallbacks == []
+    assert steps["dt.t()"].quantized_layer_saw == ["aten.t.default"]
+    assert steps["dt.view(-1)"].local == "Float8Tensor"
+    assert steps["dt * 2"].local == "Tensor" and steps["dt * 2"].fallbacks == ["aten.mul.Tensor"]
     full = steps["dt.full_tensor()"]
-    assert full["result"] == "Tensor" and full["comms"] == {"all_gather_into_tensor": 1}
-    assert full["fallbacks"] == ["_c10d_functional.all_gather_into_tensor.default"]  # gathered DEQUANTIZED
-    assert a["full_equals_reference"] and b["full_equals_reference"]
+    assert full.result == "Tensor" and full.comms == {"all_gather_into_tensor": 1}
+    assert full.fallbacks == ["_c10d_functional.all_gather_into_tensor.default"]  # gathered DEQUANTIZED
+    assert a.full_equals_reference and b.full_equals_reference
+    assert torch.equal(a.full, b.full)
 
 
 @pytest.mark.distributed
 def test_identical_shards_pitfall_and_fix(lesson05):
     for res in lesson05:
         p = res["pitfall"]
-        naive, ref = p["naive_full"], p["reference"]
+        naive, ref = p.naive_full, p.reference
         assert torch.equal(naive[:3], naive[3:])  # every rank drew the same numbers
+        assert torch.equal(p.naive_local, naive[:3])
         assert not torch.equal(naive, ref)
-        assert torch.equal(p["fixed_full"], ref)
-        assert p["all_params_equal_reference"]
+        assert torch.equal(p.fixed_full, ref)
+        assert p.all_params_equal_reference
+
+
+def test_record_quantized_dispatch_restores_the_dispatcher():
+    from tutorial_lib.quant.float8 import CurrentScaling
+    from tutorial_lib.quant.tensor import QuantizedTensor
+
+    original = QuantizedTensor.__dict__["__torch_dispatch__"]
+    q = CurrentScaling("e4m3").quantize(torch.randn(4, 8))
+    with db.record_quantized_dispatch() as seen:
+        q.t()
+    assert seen == ["aten.t.default"]
+    assert QuantizedTensor.__dict__["__torch_dispatch__"] is original

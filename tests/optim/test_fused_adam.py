@@ -14,12 +14,13 @@ import torch
 import tutorial_kernels  # noqa: F401  (first: on CPU it sets TRITON_INTERPRET=1 before triton is imported)
 
 # isort: split
-from tutorial_kernels.adam import raw_address
+from tutorial_kernels.adam_tables import raw_address
 
 from tutorial_lib.optim.adamw_reference import adamw_reference_step_
 from tutorial_lib.optim.fused_adam import HP_INIT_ATTR, FusedAdam, fused_fp8_format, route_param
+from tutorial_lib.quant.float8 import CurrentScaling, DelayedScaling
 from tutorial_lib.quant.mxfp8 import MXFP8Quantizer
-from tutorial_lib.quant.per_tensor import CurrentScaling, DelayedScaling, amax, quantize_per_tensor
+from tutorial_lib.quant.per_tensor import amax, quantize_per_tensor
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(7,), (3, 5), (0,), (130,), (64,), (1,)]
@@ -283,6 +284,56 @@ def test_fp8_delayed_scaling_fused_equals_the_requantize_route():
             assert torch.equal(a.quantizer.amax_history, b.quantizer.amax_history)
             assert torch.equal(a.quantizer.amax_history[0].to(DEV), amax(master))
     assert fused[0].quantizer.steps == generic[0].quantizer.steps == 6  # init + 5 steps
+
+
+def test_init_state_creates_state_without_updating_anything():
+    """``init_state()`` (what checkpoint code calls before loading): step 0, zero moments, masters
+    (from HP_INIT_ATTR, consumed), for every route; no parameter, grad or quantizer changes, even with
+    grads present; the next step() is the first update, identical to a fresh optimizer's first step."""
+    hp, fp8 = _fp8_params(lambda: DelayedScaling("e4m3", history_len=4), 3, shapes=((8, 16),))
+    _, fp8_twin = _fp8_params(lambda: DelayedScaling("e4m3", history_len=4), 3, shapes=((8, 16),))
+    setattr(fp8[0], HP_INIT_ATTR, hp[0].clone())
+    setattr(fp8_twin[0], HP_INIT_ATTR, hp[0].clone())
+    dense = _params([(7,), (3, 5)], 4) + _params([(6,)], 5, torch.bfloat16)
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in dense]
+    ours, theirs = dense + fp8, twin + fp8_twin
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        a.grad = b.grad = _grad(a.shape, 60 + i, a.dtype)
+    before = [copy.deepcopy(p.detach()) for p in ours]
+    opt = FusedAdam(ours, lr=LR, weight_decay=WD, master_weights=True, block=BLOCK)
+    opt.init_state()
+    assert opt.routes() == [["fp32", "fp32", "lowp_master", "fp8_fused"]]
+    for p, b in zip(ours, before):
+        st = opt.state[p]
+        assert st["step"].item() == 0.0 and not st["exp_avg"].any() and not st["exp_avg_sq"].any()
+        if p.dtype == torch.float32:
+            assert torch.equal(p.detach(), b) and "master_param" not in st
+    assert torch.equal(opt.state[ours[2]]["master_param"], ours[2].detach().float())
+    assert torch.equal(opt.state[fp8[0]]["master_param"], hp[0]) and not hasattr(fp8[0], HP_INIT_ATTR)
+    assert torch.equal(fp8[0].raw_buffers()["data"], fp8_twin[0].raw_buffers()["data"])
+    q, q_twin = fp8[0].quantizer, fp8_twin[0].quantizer
+    assert q.steps == 1 and torch.equal(q.amax_history, q_twin.amax_history)  # the init cast only
+    assert all(p.grad is not None for p in ours)
+    opt.init_state()  # again: a no-op
+    assert opt.state[ours[0]]["step"].item() == 0.0
+
+    ref = FusedAdam(theirs, lr=LR, weight_decay=WD, master_weights=True, block=BLOCK)
+    opt.step()
+    ref.step()
+    for a, b in zip(ours, theirs):
+        assert opt.state[a]["step"].item() == ref.state[b]["step"].item() == 1.0
+        if a is fp8[0]:
+            assert torch.equal(a.raw_buffers()["data"], b.raw_buffers()["data"])
+        else:
+            assert torch.equal(a.detach(), b.detach())
+
+
+def test_step_without_grads_still_creates_state():
+    p = _params([(5,)], 6)[0]
+    before = p.detach().clone()
+    opt = FusedAdam([p], lr=LR, weight_decay=WD)
+    opt.step()
+    assert opt.state[p]["step"].item() == 0.0 and torch.equal(p.detach(), before)
 
 
 @pytest.mark.parametrize("factory", [lambda: CurrentScaling("e4m3"), lambda: MXFP8Quantizer()],

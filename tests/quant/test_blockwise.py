@@ -13,14 +13,9 @@ from tutorial_lib.quant.blockwise import (
     dequantize_fp8_blockwise,
     quantize_fp8_blockwise,
 )
+from tutorial_lib.quant.fallback import QuantizedFallbackError, QuantizedViewError, fallback_mode, strict_dispatch
 from tutorial_lib.quant.float8 import Float8Tensor
-from tutorial_lib.quant.tensor import (
-    QuantizedFallbackError,
-    QuantizedViewError,
-    fallback_mode,
-    register_safe_globals,
-    strict_dispatch,
-)
+from tutorial_lib.quant.tensor import register_safe_globals
 
 E4M3_GRID = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 

@@ -8,17 +8,12 @@ import pickle
 import pytest
 import torch
 
+from tutorial_lib.quant.base_ops import dispatch_table_summary
 from tutorial_lib.quant.block import rounding_error_bound
+from tutorial_lib.quant.fallback import QuantizedFallbackError, QuantizedViewError, strict_dispatch
 from tutorial_lib.quant.float8 import Float8Tensor
 from tutorial_lib.quant.mxfp8 import MXFP8Quantizer, MXFP8Tensor, dequantize_mxfp8, e8m0_to_fp32, quantize_mxfp8
-from tutorial_lib.quant.tensor import (
-    QuantizedFallbackError,
-    QuantizedViewError,
-    dispatch_table_summary,
-    is_quantized,
-    register_safe_globals,
-    strict_dispatch,
-)
+from tutorial_lib.quant.tensor import is_quantized, register_safe_globals
 
 E4M3_GRID = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 FINITE_E4M3 = torch.isfinite(E4M3_GRID)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tutorial_lib.quant.block import e4m3_bytes_to_fp32, expand_scales, rounding_error_bound
+from tutorial_lib.quant.fallback import QuantizedViewError
 from tutorial_lib.quant.formats import all_values
 from tutorial_lib.quant.nvfp4 import (
     NVFP4Quantizer,
@@ -19,7 +20,7 @@ from tutorial_lib.quant.nvfp4 import (
     quantize_nvfp4,
     unpack_fp4,
 )
-from tutorial_lib.quant.tensor import QuantizedViewError, register_safe_globals
+from tutorial_lib.quant.tensor import register_safe_globals
 
 E2M1_GRID = all_values("e2m1")
 

@@ -14,24 +14,21 @@ import warnings
 import pytest
 import torch
 
-from tutorial_lib.quant import tensor as qt
-from tutorial_lib.quant.float8 import Float8Tensor
-from tutorial_lib.quant.tensor import (
+from tutorial_lib.quant import base_ops, fallback
+from tutorial_lib.quant.base_ops import dispatch_table_summary
+from tutorial_lib.quant.fallback import (
     FALLBACKS,
     REQUANTIZES,
-    Layout,
     QuantizedFallbackError,
-    QuantizedTensor,
     QuantizedViewError,
-    dispatch_table_summary,
     fallback_mode,
-    is_quantized,
-    local_tensor,
     set_disallowed_view_handler,
     set_fallback_mode,
     strict_dispatch,
 )
+from tutorial_lib.quant.float8 import Float8Tensor
 from tutorial_lib.quant.per_tensor import quantize_per_tensor
+from tutorial_lib.quant.tensor import Layout, QuantizedTensor, is_quantized, local_tensor
 
 aten = torch.ops.aten
 
@@ -68,18 +65,18 @@ class _RowFP8(QuantizedTensor):
 def _row_view(func, args, kwargs):
     t, shape = args[0], args[1]
     if not t.view_allowed(shape):
-        return qt.disallowed_view(t, func, args, kwargs)
+        return fallback.disallowed_view(t, func, args, kwargs)
     data = t._data.view(shape)
     return t._wrap_like({"data": data, "scale_inv": t._scale_inv.view(*data.shape[:-1], 1)}, data.shape, view=True)
 
 
 @pytest.fixture(autouse=True)
 def _clean_state():
-    qt.reset_counters()
+    fallback.reset_counters()
     previous = set_fallback_mode("warn")
     yield
     set_fallback_mode(previous)
-    qt.reset_counters()
+    fallback.reset_counters()
 
 
 def _row(shape=(4, 8), seed=0):
@@ -212,13 +209,13 @@ def test_strict_mode_raises_naming_the_op_and_counts_nothing():
         with pytest.raises(QuantizedFallbackError, match=r"aten\.cat\.default"):
             torch.cat([t, t])  # quantized tensors nested in a list are found too
     assert sum(FALLBACKS.values()) == 0
-    assert qt.get_fallback_mode() == "warn"
+    assert fallback.get_fallback_mode() == "warn"
 
 
 def test_fallback_mode_context_restores_on_error_and_rejects_unknown_modes():
     with pytest.raises(RuntimeError), strict_dispatch():
         raise RuntimeError("boom")
-    assert qt.get_fallback_mode() == "warn"
+    assert fallback.get_fallback_mode() == "warn"
     with pytest.raises(ValueError, match="fallback mode must be one of"):
         set_fallback_mode("silent")
 
@@ -309,7 +306,7 @@ def test_trace_dispatch_reports_what_happened_without_warning():
     q = _fp8()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        rows = qt.trace_dispatch({
+        rows = base_ops.trace_dispatch({
             "view": lambda: q.view(-1),
             "chunk": lambda: q.chunk(2),
             "add": lambda: q + 1,
@@ -321,7 +318,7 @@ def test_trace_dispatch_reports_what_happened_without_warning():
     assert by["chunk"]["result"] == "list[Float8Tensor]" and by["chunk"]["quantized"]
     assert by["add"]["fallbacks"] == ["aten.add.Tensor"] and not by["add"]["quantized"]
     assert by["mul_"]["requantized"] == ["aten.mul_.Tensor"] and by["mul_"]["quantized"]
-    assert qt.get_fallback_mode() == "warn"
+    assert fallback.get_fallback_mode() == "warn"
 
 
 def test_foreach_inplace_ops_update_quantized_tensors_instead_of_dropping_the_update():

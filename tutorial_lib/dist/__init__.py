@@ -1,1 +1,16 @@
-"""."""
+"""Distributed pieces (lessons 00, 05, 06, 09): ranks, meshes, FSDP2 and checkpoints.
+
+===================  =========================================================================
+``runtime``          device and backend choice, deterministic CUDA, the environment report
+``launcher``         ``launch(fn, world_size)``: N ranks from a notebook, results back, failures loud
+``mesh``             ``world_mesh()``: the one 1-D mesh helper a rank function starts with
+``fsdp2``            FSDP2 all-gather hooks for every quantized format; shardability checks
+``quantized_init``   meta-device init that quantizes only each rank's shard
+``checkpoint``       DCP save/load of quantized state (planners, checks, refusals)
+``checkpoint_checks`` non-finite and mismatch checks, safe-globals scopes
+``checkpoint_dirs``  private checkpoint directories, removed on failure
+``extra_state``      quantizer state (delayed-scaling history) as fixed-size ``_extra_state``
+``training_state``   ``TrainingState``: model + optimizer + quantizers as one DCP ``Stateful``
+``export``           fp32 safetensors export of a sharded quantized model
+===================  =========================================================================
+"""

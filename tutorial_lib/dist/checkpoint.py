@@ -13,7 +13,7 @@ What DCP does with one quantized parameter, and where this module steps in::
               = a raw byte copy, valid for ANY resharding because every shard of a per-tensor-scaled
                 tensor shares ONE scale (a second chunk with another scale is refused, not averaged)
 
-Why the planners exist (each measured, see lesson 09):
+Why the planners exist (lesson 09 reproduces each):
 
 * DCP's default load copies a chunk into ``target[rows]``; when the target's scale differs from the
   checkpoint's (a fresh model) that partial-view copy REQUANTIZES with the target's stale scale:
@@ -51,6 +51,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from tutorial_lib.dist.checkpoint_checks import (
@@ -63,7 +64,8 @@ from tutorial_lib.dist.checkpoint_checks import (
     uninitialized_memory_as_nan,
 )
 from tutorial_lib.dist.checkpoint_dirs import CheckpointDir, checkpoint_dir, shared_checkpoint_dir
-from tutorial_lib.quant.tensor import QuantizedTensor, register_safe_globals
+from tutorial_lib.quant.serialization import register_safe_globals
+from tutorial_lib.quant.tensor import QuantizedTensor
 
 __all__ = [
     "CheckpointDir",
@@ -320,8 +322,6 @@ def load_checkpoint(state_dict: dict, path: str | os.PathLike, *, check_finite: 
 
 def _resolved(state_dict: dict) -> dict:
     """The tensors a load wrote into: a DCP ``Stateful`` is asked for its (now loaded) state_dict."""
-    from torch.distributed.checkpoint.stateful import Stateful
-
     return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
 
 

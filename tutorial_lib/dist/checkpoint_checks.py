@@ -27,6 +27,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.utils.deterministic as det
 from torch.distributed.tensor import DTensor
 
 from tutorial_lib.quant.tensor import QuantizedTensor
@@ -164,8 +165,6 @@ def uninitialized_memory_as_nan():
     into a checkpoint -- the broken async staging of lesson 09 -- then writes NaN on every run,
     which :func:`load_checkpoint`'s NaN check names, instead of plausible stale values.
     """
-    import torch.utils.deterministic as det
-
     was_on, was_warn, was_fill = (torch.are_deterministic_algorithms_enabled(),
                                   torch.is_deterministic_algorithms_warn_only_enabled(), det.fill_uninitialized_memory)
     torch.use_deterministic_algorithms(True, warn_only=True)

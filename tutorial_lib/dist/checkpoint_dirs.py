@@ -20,6 +20,7 @@ Three tools, for the three places a directory can be owned from::
 Example::
 
     from tutorial_lib.dist.checkpoint_dirs import checkpoint_dir
+    from tutorial_lib.dist.launcher import launch
     with checkpoint_dir() as root:
         launch(train_and_save, world_size=2, args=(root,))
     # root is gone here, whether train_and_save succeeded or raised

@@ -12,9 +12,10 @@ tensors, the model's own parameter names and full shapes::
     _extra_state, non-tensor entries      excluded (quantizer state means nothing outside training)
 
 Two details that bite: ``full_tensor()`` is called on a DTensor built from the *plain* fp32 shard
-(an all-gather routed through a quantized tensor's generic fallback gives silent zeros or a
-crash, ``shared/FACTS.md``); and every rank must take part in every gather, so the loop runs on
-all ranks and only rank 0 writes.
+(the quantized DTensor's own ``full_tensor()`` all-gathers the quantized local tensor, an op with
+no quantized handler: it runs through the dequantize fallback -- a warning, or
+``QuantizedFallbackError`` under ``strict_dispatch()``); and every rank must take part in every
+gather, so the loop runs on all ranks and only rank 0 writes.
 
 Example::
 
@@ -30,6 +31,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -83,8 +85,6 @@ def export_fp32_safetensors(model: nn.Module, path: str | os.PathLike, optimizer
 
     Returns ``{key: "master" | "dequantized" | "fp32" | "as-is"}`` on every rank.
     """
-    from safetensors.torch import save_file
-
     values, sources = fp32_values(model, optimizer)
     distributed = dist.is_available() and dist.is_initialized()
     error = None
@@ -109,6 +109,4 @@ def export_fp32_safetensors(model: nn.Module, path: str | os.PathLike, optimizer
 
 def exported_values(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Read an export back (plain tensors, no pickle involved)."""
-    from safetensors.torch import load_file
-
     return load_file(os.fspath(path))

@@ -26,6 +26,7 @@ it into a checkpoint, both built on :func:`encode_quantizer_state`:
 
 Example::
 
+    from tutorial_lib.dist.checkpoint import load_checkpoint, save_checkpoint
     from tutorial_lib.dist.extra_state import QuantizerStates
     state = {"model": model.state_dict(), "quantizers": QuantizerStates(model)}
     save_checkpoint(state, path)                  # QuantizerStates.state_dict() is called by DCP

@@ -36,20 +36,26 @@ before anything is allocated.
 
 Example::
 
-    import tutorial_lib.dist.fsdp2 as fq            # attaches the hooks
-    fq.fully_shard_blocks(model, mesh, reshard_after_forward=True)   # model: quantized on meta first
+    from tutorial_lib.dist import fsdp2 as fq                     # importing it attaches the hooks
+    from tutorial_lib.dist.mesh import world_mesh
+    from tutorial_lib.dist.quantized_init import build_sharded_quantized
+    from tutorial_lib.models import BlockMLP
+    from tutorial_lib.quant.registry import recipe
+
+    mesh, dev = world_mesh()                                      # inside a launched rank
+    model = build_sharded_quantized(lambda: BlockMLP(64, 256, 2), mesh, recipe("fp8"), dev)
+    x = torch.ones(4, 64, device=dev)
     with fq.count_all_gathers() as log:
         model(x).sum().backward()
-    log.input_bytes                                        # bytes this rank contributed, forward + backward
-    2 * fq.expected_all_gather_bytes(model)["total"]       # the same number, from the parameters' buffers
-    with fq.verify_shared_scales():                        # debug: per-tensor scales equal on all ranks?
+    log.input_bytes                                   # bytes this rank contributed, forward + backward
+    2 * fq.expected_all_gather_bytes(model).total     # the same number, from the parameters' buffers
+    with fq.verify_shared_scales():                   # debug: per-tensor scales equal on all ranks?
         model(x).sum().backward()
 
 Module map: the hooks and :func:`attach_fsdp2_hooks`; :func:`check_fsdp_shardable` and
 :func:`dim0_granularity`; :func:`fully_shard_blocks`; :func:`count_all_gathers` and
-:func:`expected_all_gather_bytes`; then the rank functions of lesson 06, its tests and
-``benchmarks/bench_fsdp2_allgather.py`` (:func:`allgather_demo`, :func:`pitfall_demo`,
-:func:`allgather_benchmark`, :func:`run_sequence`).
+:func:`expected_all_gather_bytes`. Lesson 06's experiments built on them live in
+:mod:`tutorial_lib.lessons.fsdp2_quantized_init`.
 """
 
 from __future__ import annotations
@@ -63,19 +69,14 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from tutorial_lib.quant.tensor import QuantizedTensor, is_quantized, local_tensor
 from tutorial_lib.quant.view_policy import allow_flat_views
 
 __all__ = [
+    "AllGatherBytes",
     "AllGatherLog",
-    "allgather_benchmark",
-    "allgather_demo",
-    "manual_unshard",
-    "pitfall_demo",
-    "rank_setup",
-    "record_quantized_dispatch",
-    "run_sequence",
     "ScaleMismatchError",
     "UnshardableError",
     "attach_fsdp2_hooks",
@@ -243,9 +244,8 @@ def _used_on_this_stream(tensors) -> None:
     pre-all-gather hook runs there) and are read here, on the compute stream. Tell the caching
     allocator (``record_stream``); otherwise, once the unsharded weight is freed, it hands their memory
     to the next copy-in -- the next layer's scale, prefetched -- while kernels queued on this stream
-    may still have to read it. (Added while chasing bit-exactness failures seen on busy GPUs; a
-    stress test with a lagging compute stream did not reproduce them without it: see the README's
-    "Bit-exact checks on busy GPUs".)"""
+    may still have to read it. (Cheap insurance for when the host runs far ahead of the GPU; the
+    bit-exact training test runs a configuration with a deliberately lagging compute stream.)"""
     for t in tensors:
         if t.is_cuda:
             t.record_stream(torch.cuda.current_stream(t.device))
@@ -348,8 +348,6 @@ def post_all_gather_mode(mode: str) -> Iterator[None]:
 def fully_shard_blocks(model: nn.Module, mesh=None, *, blocks: str = "blocks", reshard_after_forward: bool = True,
                        mp_policy=None) -> nn.Module:
     """``fully_shard`` each module of ``model.<blocks>`` (one all-gather per block), then the root."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
           "mp_policy": mp_policy or MixedPrecisionPolicy()}
     with allow_flat_views():  # FSDP2 flattens each shard with view(-1): a raw-byte alias for block formats
@@ -405,261 +403,39 @@ def count_all_gathers() -> Iterator[AllGatherLog]:
             setattr(dist, name, fn)
 
 
-def expected_all_gather_bytes(model: nn.Module, param_dtype: torch.dtype | None = None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class AllGatherBytes:
+    """Bytes one rank contributes to one all-gather of every FSDP2 parameter of a model."""
+
+    quantized: int  # the quantized parameters' dim >= 1 buffers (codes, per-block scales) for ``ceil(N / ws)`` rows
+    plain: int  # the high-precision parameters' padded shards (biases, norms; every weight of a bf16 model)
+    bf16_equivalent: int  # what the same parameters would move as bf16
+
+    @property
+    def total(self) -> int:
+        """``quantized + plain``: what :func:`count_all_gathers` counts per all-gather round."""
+        return self.quantized + self.plain
+
+
+def expected_all_gather_bytes(model: nn.Module, param_dtype: torch.dtype | None = None) -> AllGatherBytes:
     """Bytes one rank contributes to one all-gather of every FSDP2 parameter of ``model``.
 
     Quantized parameters: their dim >= 1 buffers for ``ceil(N / ws)`` rows (0-d scales travel as
-    metadata); others: the padded shard in ``param_dtype`` (or their own dtype). Returns
-    ``{"quantized": ..., "plain": ..., "total": ..., "bf16_equivalent": ...}`` where
-    ``bf16_equivalent`` is what the same parameters would move as bf16.
+    metadata); others: the padded shard in ``param_dtype`` (or their own dtype).
     """
-    out = {"quantized": 0, "plain": 0, "bf16_equivalent": 0}
+    quantized = plain = bf16 = 0
     for p in model.parameters():
         loc = local_tensor(p)
         ws = p.device_mesh.size() if hasattr(p, "device_mesh") else 1
         rows = -(-p.shape[0] // ws)
         per_row = math.prod(p.shape[1:])
-        out["bf16_equivalent"] += rows * per_row * 2
+        bf16 += rows * per_row * 2
         if is_quantized(p):
             gathered, _ = split_buffers(loc)
             for name in gathered:
                 b = loc.raw_buffers()[name]
                 ratio = dim0_granularity(loc) if b.shape[0] != loc.shape[0] else 1
-                out["quantized"] += rows // ratio * math.prod(b.shape[1:]) * b.element_size()
+                quantized += rows // ratio * math.prod(b.shape[1:]) * b.element_size()
         else:
-            out["plain"] += rows * per_row * (param_dtype or p.dtype).itemsize
-    out["total"] = out["quantized"] + out["plain"]
-    return out
-
-
-# ----------------------------------------------------------------------------- rank functions (lesson 06, tests)
-
-
-def rank_setup():
-    """``(mesh, device)`` for a rank function: a 1-D mesh over the world.
-
-    (CPU ranks already share the cores out: the launcher sets their thread counts.)
-    """
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from tutorial_lib.dist.launcher import rank_device
-
-    dev = rank_device()
-    return init_device_mesh(dev.type, (dist.get_world_size(),)), dev
-
-
-@contextlib.contextmanager
-def record_quantized_dispatch() -> Iterator[list]:
-    """Log every op that reaches ``QuantizedTensor.__torch_dispatch__`` (after DTensor/FSDP2 did their part)."""
-    seen: list = []
-    original = QuantizedTensor.__dict__["__torch_dispatch__"]
-
-    def logged(cls, func, types, args=(), kwargs=None):
-        seen.append(str(func))
-        return original.__func__(cls, func, types, args, kwargs)
-
-    QuantizedTensor.__torch_dispatch__ = classmethod(logged)
-    try:
-        yield seen
-    finally:
-        QuantizedTensor.__torch_dispatch__ = original
-
-
-def _gather_rows(local: torch.Tensor) -> torch.Tensor:
-    """All ranks' dim-0 pieces of a plain tensor, concatenated (a manual all-gather, via pickled objects)."""
-    pieces = [None] * dist.get_world_size()
-    dist.all_gather_object(pieces, local.detach().cpu())
-    return torch.cat(pieces).to(local.device)
-
-
-def manual_unshard(p: torch.Tensor) -> dict:
-    """What the unsharded ``p`` must hold: every rank's rows of each buffer, and of the dequantized values."""
-    loc = local_tensor(p)
-    if not isinstance(loc, QuantizedTensor):
-        return {"values": _gather_rows(loc)}
-    gathered, replicated = split_buffers(loc)
-    out = {name: _gather_rows(loc.raw_buffers()[name]) for name in gathered}
-    for name in replicated:
-        out[name] = loc.raw_buffers()[name]
-    out["values"] = _gather_rows(loc.dequantize(torch.float32))
-    return out
-
-
-def _compare_unsharded(model: nn.Module) -> dict:
-    """Unshard every FSDP module; compare each unsharded parameter with :func:`manual_unshard`."""
-    from torch.distributed.fsdp import FSDPModule
-
-    expected = {n: manual_unshard(p) for n, p in model.named_parameters()}
-    result = {}
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.unshard()
-    for n, p in model.named_parameters():  # now the unsharded parameters (plain or quantized, not DTensor)
-        exp = expected[n]
-        if isinstance(p, QuantizedTensor):
-            bufs = p.raw_buffers()
-            same = all(torch.equal(bufs[k], v) for k, v in exp.items() if k != "values")
-            values = p.dequantize(torch.float32)
-        else:
-            same, values = True, p.detach().float()
-        result[n] = {"buffers_equal": bool(same), "values_equal": bool(torch.equal(values, exp["values"].float())),
-                     "max_abs_err": float((values - exp["values"].float()).abs().max()),
-                     "max_abs": float(exp["values"].abs().max())}
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-    return result
-
-
-def allgather_demo(dim: int = 64, hidden: int = 256, n_blocks: int = 2, recipe: str = "fp8", *,
-                   reshard_after_forward: bool = True, batch: int = 4) -> dict:
-    """Bytes all-gathered in one training step, FP8 vs bf16 (measured and expected); unshard vs manual gather."""
-    import torch.nn.functional as F
-
-    from tutorial_lib.models import BlockMLP
-    from tutorial_lib.dist.quantized_init import RECIPES, build_sharded_plain, build_sharded_quantized
-
-    mesh, dev = rank_setup()
-    bf16 = lambda: BlockMLP(dim, hidden, n_blocks, dtype=torch.bfloat16)  # noqa: E731
-    out = {"rank": dist.get_rank(), "world_size": dist.get_world_size()}
-    x = torch.ones(batch, dim, dtype=torch.bfloat16, device=dev)
-    with record_quantized_dispatch() as ops_init:
-        q_model = build_sharded_quantized(bf16, mesh, RECIPES[recipe](), dev,
-                                          reshard_after_forward=reshard_after_forward)
-    models = {recipe: q_model, "bf16": build_sharded_plain(bf16, mesh, dev,
-                                                           reshard_after_forward=reshard_after_forward)}
-    for name, model in models.items():
-        with count_all_gathers() as log, record_quantized_dispatch() as ops_step:
-            F.mse_loss(model(x).float(), torch.zeros(batch, dim, device=dev)).backward()
-        out[name] = {"measured": log.input_bytes, "calls": len(log.calls), "received": log.output_bytes,
-                     "expected": expected_all_gather_bytes(model), "unshard": _compare_unsharded(model)}
-        if name == recipe:
-            out["ops_in_init"], out["ops_in_step"] = sorted(set(ops_init)), sorted(set(ops_step))
-    return out
-
-
-def pitfall_demo(dim: int = 32, hidden: int = 64, batch: int = 4) -> dict:
-    """The two traps of lesson 06, reproduced and fixed: per-shard scales and the version counter."""
-    from tutorial_lib.models import BlockMLP
-    from tutorial_lib.dist.quantized_init import build_sharded_quantized, fp8_recipe
-
-    mesh, dev = rank_setup()
-    build = lambda: BlockMLP(dim, hidden, 1, seed=0)  # noqa: E731
-    x = counter_uniform_batch(batch, dim, dev)
-    out = {"rank": dist.get_rank()}
-    for share in (False, True):  # 1. every shard with its own scale vs one all-reduced scale
-        model = build_sharded_quantized(build, mesh, fp8_recipe(), dev, share_scales=share)
-        w = local_tensor(model.blocks[0].fc1.weight)
-        hp = w.dequantize(torch.float32)
-        if dist.get_rank() == dist.get_world_size() - 1:
-            hp *= 64.0  # an outlier region: the last rank's rows are 64x larger than the others
-        with torch.no_grad():
-            w.copy_(hp)  # requantize through the quantizer: per shard, or with the amax all-reduce
-        cmp = _compare_unsharded(model)["blocks.0.fc1.weight"]
-        out[f"share_scales={share}"] = {"scale_inv": float(local_tensor(model.blocks[0].fc1.weight).scale_inv),
-                                        **cmp}
-        try:
-            with verify_shared_scales():
-                model(x).sum().backward()
-            out[f"share_scales={share}"]["verify"] = "ok"
-        except ScaleMismatchError as exc:
-            out[f"share_scales={share}"]["verify"] = f"ScaleMismatchError: {exc}"
-    for mode in ("copy", "alias"):  # 2. filling `out` with copy_ vs aliasing the all-gather output
-        model = build_sharded_quantized(build, mesh, fp8_recipe(), dev, reshard_after_forward=True)
-        try:
-            with post_all_gather_mode(mode):
-                for _ in range(2):  # the second forward's all-gathers are the first to pass `out=`
-                    model(x).sum().backward()
-            out[f"post_all_gather={mode}"] = "ok"
-        except RuntimeError as exc:
-            out[f"post_all_gather={mode}"] = f"{type(exc).__name__}: {exc}"
-    return out
-
-
-def counter_uniform_batch(batch: int, dim: int, device) -> torch.Tensor:
-    """A deterministic input batch, the same on every rank."""
-    from tutorial_lib.models import counter_uniform
-
-    return counter_uniform(1234, "input", (batch, dim), device=device)
-
-
-def run_sequence(calls: list) -> list:
-    """Run several rank functions ``[(fn, kwargs), ...]`` in ONE launch (each launch costs seconds to start)."""
-    out = []
-    for fn, kwargs in calls:
-        out.append(fn(**kwargs))
-        dist.barrier()
-    return out
-
-
-# ----------------------------------------------------------------------------- benchmark rank function
-
-
-def _replay(calls: list, dev):
-    """A function issuing the same all-gathers (sizes, dtypes) as one logged step, on fresh buffers."""
-    bufs = []
-    ws = dist.get_world_size()
-    for in_bytes, _, dtype in calls:
-        dt = getattr(torch, dtype.replace("torch.", ""))
-        n = in_bytes // dt.itemsize
-        bufs.append((torch.empty(n * ws, dtype=dt, device=dev), torch.zeros(n, dtype=dt, device=dev)))
-
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # 2.13 renamed it
-
-    def run():
-        for out, inp in bufs:
-            gather(out, inp)
-
-    return run
-
-
-def allgather_benchmark(dim: int, hidden: int, n_blocks: int, tokens: int, reps: int) -> dict:
-    """FP8 vs bf16 FSDP2 all-gathers of the same BlockMLP, same run: bytes, all-gather time, step time.
-
-    Per variant: all-gather bytes of one forward+backward (counted), the time of those all-gathers
-    replayed alone (same sizes, fixed reps, max over ranks), the all-gather kernel time inside real
-    steps (CUDA profiler), and the step time.
-    """
-    from tutorial_lib.models import BlockMLP, counter_uniform
-    from tutorial_lib.dist.quantized_init import build_sharded_plain, build_sharded_quantized, fp8_recipe
-
-    mesh, dev = rank_setup()
-    bf16 = lambda: BlockMLP(dim, hidden, n_blocks, dtype=torch.bfloat16)  # noqa: E731
-    x = counter_uniform(0, "bench-input", (tokens, dim), dtype=torch.bfloat16, device=dev)
-    out = {"params": None, "variants": {}}
-    for name in ("bf16", "fp8"):
-        model = (build_sharded_plain(bf16, mesh, dev) if name == "bf16"
-                 else build_sharded_quantized(bf16, mesh, fp8_recipe(), dev))
-        out["params"] = sum(p.numel() for p in model.parameters())
-
-        def step(model=model):
-            model(x).float().square().mean().backward()
-            model.zero_grad(set_to_none=True)
-
-        step()
-        with count_all_gathers() as log:
-            step()
-        r = {"bytes": log.input_bytes, "received": log.output_bytes, "calls": len(log.calls),
-             "expected": expected_all_gather_bytes(model),
-             "weights": [(tuple(p.shape), is_quantized(p)) for p in model.parameters()],
-             "allgather_replay_ms": median_ms_all_ranks(_replay(log.calls, dev), dev, reps),
-             "step_ms": median_ms_all_ranks(step, dev, reps)}
-        if dev.type == "cuda":
-            from torch.profiler import ProfilerActivity, profile
-
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(reps):
-                    step()
-                torch.cuda.synchronize(dev)
-            # device-side NCCL kernels only ("ncclDevKernel_AllGather_..."): the CPU-side c10d ops that
-            # launched them report the same time again as their children's.
-            us = sum(e.device_time_total for e in prof.key_averages()
-                     if "allgather" in e.key.lower() and e.device_type == torch.autograd.DeviceType.CUDA)
-            t = torch.tensor(us / 1e3 / reps, dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            r["allgather_kernel_ms_in_step"] = float(t)
-        out["variants"][name] = r
-        del model
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
-    return out
+            plain += rows * per_row * (param_dtype or p.dtype).itemsize
+    return AllGatherBytes(quantized=quantized, plain=plain, bf16_equivalent=bf16)

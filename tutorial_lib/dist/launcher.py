@@ -3,7 +3,7 @@
 This is how a notebook cell (or a test, or your own script) runs distributed code::
 
     from tutorial_lib.dist.launcher import launch, rank_device
-    from tutorial_lib.demo import allreduce_demo      # must live in an importable module
+    from tutorial_lib.lessons.start_here import allreduce_demo   # must live in an importable module
 
     results = launch(allreduce_demo, world_size=2, device="auto", args=(4,), timeout=60)
     results[0]   # rank 0's return value (tensors come back on the CPU)
@@ -21,7 +21,7 @@ How it works::
     read results, rmtree(tmp)                         (or traceback -> tmp/rank{r}.error)
                                                       os._exit(0)  # skip gloo's exit-time abort
 
-Design choices, each for a measured reason (see ``shared/FACTS.md``):
+Design choices, each for a reason ``tests/dist/test_launcher.py`` exercises:
 
 * **torch's own process machinery** (``torch.multiprocessing.start_processes`` with ``spawn``):
   children die with the kernel (parent-death signal), and a failed rank terminates the rest.

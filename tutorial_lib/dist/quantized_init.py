@@ -3,7 +3,7 @@
 The sequence (lesson 06)::
 
     with torch.device("meta"): model = BlockMLP(...)        1. shapes only, no memory
-    quantize_params_on_meta_(model, fp8_recipe(), ws)        2. Linear weights -> META quantized tensors
+    quantize_params_on_meta_(model, recipe("fp8"), ws)       2. Linear weights -> META quantized tensors
                                                                 (FSDP2 must see the hooks at fully_shard)
     fully_shard_blocks(model, mesh)                          3. FSDP2 chunks, pads, flattens (view(-1)),
                                                                 wraps each shard in a DTensor: all on meta
@@ -16,95 +16,72 @@ The sequence (lesson 06)::
 Step 4 uses the counter-based init of :mod:`tutorial_lib.models`, so the sharded quantized model
 equals the single-process quantized model with the same seed, byte for byte. With
 ``preserve_high_precision=True`` the fp32 rows are kept on the parameter as
-``HP_INIT_ATTR`` (``"_hp_init_value"``, the attribute :mod:`tutorial_lib.optim.fused_adam` and
-:class:`MasterWeights` consume) to seed fp32 master weights exactly.
+:data:`HP_INIT_ATTR` (``"_hp_init_value"``), which :class:`MasterWeights` and an optimizer with
+master weights consume to seed fp32 masters exactly.
 
-Example::
+A *recipe* ``(fqn, param) -> quantizer`` says which quantizer each selected parameter gets;
+:func:`tutorial_lib.quant.registry.recipe` makes one per format name (``"fp8"``, ``"mxfp8"``,
+``"fp8_128x128"``, ``"nvfp4_16x16"``, ...). The shard group of a format with a shared per-tensor
+scale is attached in step 4.
 
+Example (inside a rank started by :func:`tutorial_lib.dist.launcher.launch`)::
+
+    from tutorial_lib.dist.mesh import world_mesh
+    from tutorial_lib.dist.quantized_init import MasterWeights, build_sharded_quantized, quantize_params_
+    from tutorial_lib.harness.bench import track_peak_memory
     from tutorial_lib.models import BlockMLP
-    from tutorial_lib.dist.quantized_init import (MasterWeights, build_sharded_quantized, fp8_recipe,
-                                             quantize_params_, track_peak_memory)
-    mesh = init_device_mesh("cpu", (world_size,))
+    from tutorial_lib.quant.registry import recipe
+
+    mesh, dev = world_mesh()
     with track_peak_memory(dev) as peak:
-        model = build_sharded_quantized(lambda: BlockMLP(64, 256, 2, seed=0), mesh, fp8_recipe(), dev,
+        model = build_sharded_quantized(lambda: BlockMLP(64, 256, 2, seed=0), mesh, recipe("fp8"), dev,
                                         preserve_high_precision=True)
     peak.bytes                                      # peak bytes allocated during init on this rank
     masters = MasterWeights(model)                  # fp32 masters from the preserved init
     opt = torch.optim.AdamW(masters.parameters(), lr=1e-3)
     loss.backward(); masters.step(opt)              # grads -> masters, step, requantize the FP8 weights
-    ref = quantize_params_(BlockMLP(64, 256, 2, seed=0), fp8_recipe())   # the single-process twin
+    ref = quantize_params_(BlockMLP(64, 256, 2, seed=0), recipe("fp8"))   # the single-process twin
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
-from tutorial_lib.dist.fsdp2 import (
-    attach_fsdp2_hooks,
-    check_fsdp_shardable,
-    count_all_gathers,
-    expected_all_gather_bytes,
-    fully_shard_blocks,
-    rank_setup,
-)
-from tutorial_lib.optim.fused_adam import HP_INIT_ATTR
-from tutorial_lib.models import BlockMLP, _named_leaf_params, chunk_elems, counter_uniform, init_range, local_rows
-from tutorial_lib.quant.tensor import FALLBACKS, QuantizedTensor, is_quantized, local_tensor, reset_counters
-from tutorial_lib.dist.runtime import deterministic_cuda
-from tutorial_lib.quant.per_tensor import CurrentScaling, all_reduce_amax, amax, quantize_per_tensor, scale_from_amax
+from tutorial_lib.dist.fsdp2 import check_fsdp_shardable, fully_shard_blocks
+from tutorial_lib.models import _named_leaf_params, chunk_elems, counter_uniform, init_range, local_rows
+from tutorial_lib.quant.float8 import CurrentScaling
+from tutorial_lib.quant.per_tensor import all_reduce_amax, amax, quantize_per_tensor, scale_from_amax
+from tutorial_lib.quant.registry import Recipe
+from tutorial_lib.quant.tensor import HP_INIT_ATTR, QuantizedTensor, is_quantized, local_tensor
 from tutorial_lib.quant.view_policy import allow_flat_views
 
 __all__ = [
     "HP_INIT_ATTR",
     "MasterWeights",
-    "PeakMemory",
     "build_sharded_plain",
     "build_sharded_quantized",
     "default_select",
-    "fp8_recipe",
     "materialize_sharded_",
     "meta_quantized",
-    "mxfp8_recipe",
-    "nvfp4_recipe",
-    "blockwise_recipe",
-    "RECIPES",
     "quantize_as",
     "quantize_params_",
     "quantize_params_on_meta_",
-    "track_peak_memory",
-    "init_memory_demo",
-    "train_compare",
 ]
 
-Recipe = Callable[[str, torch.Tensor], object]  # (fqn, param) -> a quantizer
 
-
-# ----------------------------------------------------------------------------- recipes
+# ----------------------------------------------------------------------------- selecting and quantizing
 
 
 def default_select(module: nn.Module, param_name: str, fqn: str) -> bool:
     """Which parameters get quantized: the weights of nn.Linear layers (biases and norms stay high precision)."""
     return isinstance(module, nn.Linear) and param_name == "weight"
-
-
-def fp8_recipe(fmt: str = "e4m3", *, pow2: bool = False, group=None) -> Recipe:
-    """Per-tensor FP8 with current scaling; the shard group is attached when the shards are made."""
-    return lambda fqn, p: CurrentScaling(fmt, pow2=pow2, group=group)
-
-
-def mxfp8_recipe(rounding: str = "floor") -> Recipe:
-    """MXFP8 (1x32 E8M0 blocks): no shared scale, so no group."""
-    from tutorial_lib.quant.mxfp8 import MXFP8Quantizer
-
-    return lambda fqn, p: MXFP8Quantizer(rounding=rounding)
 
 
 def quantize_as(quantizer, hp: torch.Tensor, dtype: torch.dtype) -> QuantizedTensor:
@@ -219,8 +196,6 @@ def materialize_sharded_(model: nn.Module, device, *, seed: int | None = None,
     shard. Returns ``{fqn: local numel}``. ``share_scales=False`` skips attaching the group: each
     shard then gets its own per-tensor scale (THE PITFALL of lesson 06, for demonstration only).
     """
-    from torch.distributed.tensor import DTensor
-
     seed = getattr(model, "init_seed", 0) if seed is None else seed
     device = torch.device(device)
     done = {}
@@ -276,8 +251,6 @@ def _prime_lazy_init(model: nn.Module) -> None:
     whose layout forbids a flat view raises there unless the scoped allowance is active.
     One unshard/reshard per FSDP module at init time does it once, here.
     """
-    from torch.distributed.fsdp import FSDPModule
-
     blocky = any(is_quantized(p) and not local_tensor(p).view_allowed((local_tensor(p).numel(),))
                  for p in model.parameters())
     if not blocky:
@@ -351,8 +324,6 @@ class MasterWeights:
     """
 
     def __init__(self, model: nn.Module):
-        from torch.distributed.tensor import DTensor
-
         self.pairs = []  # (param, master)
         self._params = []
         for p in model.parameters():
@@ -393,182 +364,3 @@ class MasterWeights:
         optimizer.step()
         self.write_back()
         optimizer.zero_grad(set_to_none=True)
-
-
-# ----------------------------------------------------------------------------- peak memory
-
-
-def blockwise_recipe(block=(128, 128)) -> Recipe:
-    """FP8 blockwise (DeepSeek-V3 style): 128x128 tiles for weights; dim-0 shards must be multiples of 128."""
-    from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer
-
-    return lambda fqn, p: BlockwiseFP8Quantizer(block)
-
-
-def nvfp4_recipe(block=(16, 16)) -> Recipe:
-    """NVFP4 (E2M1 + E4M3 per 16x16 tile + a global scale, all-reduced over the shard group)."""
-    from tutorial_lib.quant.nvfp4 import NVFP4Quantizer
-
-    return lambda fqn, p: NVFP4Quantizer(block)
-
-
-RECIPES = {"fp8": fp8_recipe, "mxfp8": mxfp8_recipe, "fp8_blockwise": blockwise_recipe, "nvfp4": nvfp4_recipe}
-"""Recipe name -> factory, for rank functions that take picklable arguments."""
-
-
-def _local_values(p: torch.Tensor) -> torch.Tensor:
-    loc = local_tensor(p).detach()
-    return loc.dequantize(torch.float32) if isinstance(loc, QuantizedTensor) else loc.float().clone()
-
-
-def _batch(step: int, n: int, dim: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch of a step: the same on every rank (counter-based), sliced per rank."""
-    x = counter_uniform(10_000 + step, "x", (n, dim), device=device)
-    t = counter_uniform(10_000 + step, "target", (n, dim), device=device)
-    return x, t
-
-
-def train_compare(dim: int = 32, hidden: int = 64, n_blocks: int = 2, steps: int = 3, recipe: str = "fp8", *,
-                  reshard_after_forward: bool = True, batch: int = 4, lr: float = 1e-2, weight_decay: float = 0.01,
-                  hook_form: str | None = None, seed: int = 0, lag_ms: float = 0.0) -> dict:
-    """Train the sharded quantized model and its single-process twin side by side; compare every weight.
-
-    The reference runs in the same process and sees the same global batch split into the same
-    per-rank micro-batches, with loss ``sum(micro-batch losses) / world_size``. Then, at world
-    size 2, its gradients are the sharded run's bit for bit: the same matmul shapes on the same data,
-    and FSDP2's gradient average (``g / 2``, then a two-term sum) is exact. With more ranks the
-    reduce-scatter sums more terms in its own order, so gradients differ in the last fp32 bits;
-    ``max_abs_diff``/``ref_absmax`` and ``masters_max_rel_diff`` (max |diff| / max |master|) bound that.
-    Identical gradients give identical AdamW updates of the fp32 masters and identical
-    requantized bytes, so the derived tolerance is ZERO (``torch.equal``), step after step.
-
-    ``lag_ms`` (GPU only): each block's forward first spins the compute stream for about that long
-    (``torch.cuda._sleep``), so the host runs ahead and FSDP2's prefetching all-gathers allocate
-    while earlier kernels are still queued -- the timing under which a buffer shared between streams
-    without ``record_stream`` gets overwritten (see ``fsdp2_quantized._used_on_this_stream``).
-    """
-    mesh, dev = rank_setup()
-    if dev.type == "cuda":
-        deterministic_cuda()  # the claim below is bit-exactness; cuBLAS must not vary between runs
-    ws, rank = mesh.size(), mesh.get_local_rank()
-    if hook_form is not None:
-        attach_fsdp2_hooks(hook_form)
-    try:
-        rec = RECIPES[recipe]()
-        build = lambda: BlockMLP(dim, hidden, n_blocks, seed=seed)  # noqa: E731
-        model = build_sharded_quantized(build, mesh, rec, dev, preserve_high_precision=True,
-                                        reshard_after_forward=reshard_after_forward)
-        ref = quantize_params_(build().to(dev), rec, preserve_high_precision=True)
-        if lag_ms and dev.type == "cuda":
-            cycles = int(lag_ms * 2e6)  # ~2 GHz SM clock
-            for block in model.blocks:
-                block.register_forward_pre_hook(lambda module, args: torch.cuda._sleep(cycles))
-        before = {n: _local_values(p) for n, p in model.named_parameters()}
-        masters, ref_masters = MasterWeights(model), MasterWeights(ref)
-        opt = torch.optim.AdamW(masters.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
-        ref_opt = torch.optim.AdamW(ref_masters.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
-        reset_counters()
-        out = {"rank": rank, "losses": [], "ref_losses": [], "gather_bytes": [], "gathers": []}
-        for step in range(steps):
-            x, t = _batch(step, ws * batch, dim, dev)
-            mine = slice(rank * batch, (rank + 1) * batch)
-            with count_all_gathers() as log:
-                loss = F.mse_loss(model(x[mine]), t[mine])
-                loss.backward()
-            masters.step(opt)
-            ref_loss = sum(F.mse_loss(ref(x[r * batch:(r + 1) * batch]), t[r * batch:(r + 1) * batch])
-                           for r in range(ws)) / ws
-            ref_loss.backward()
-            ref_masters.step(ref_opt)
-            g = loss.detach().clone()
-            torch.distributed.all_reduce(g)
-            out["losses"].append(float(g / ws))
-            out["ref_losses"].append(float(ref_loss.detach()))
-            out["gather_bytes"].append(log.input_bytes)
-            out["gathers"].append(len(log.calls))
-        out["expected_bytes_per_gather"] = expected_all_gather_bytes(model)
-        out["fallbacks"] = dict(FALLBACKS)
-        params = {}
-        ref_params = dict(ref.named_parameters())
-        for n, p in model.named_parameters():
-            a, b = local_rows(p)
-            mine, theirs = _local_values(p), ref_params[n].detach()
-            theirs = (theirs.dequantize(torch.float32) if isinstance(theirs, QuantizedTensor) else theirs.float())
-            theirs = theirs[a:b] if p.dim() else theirs
-            params[n] = {"quantized": is_quantized(p), "equal": bool(torch.equal(mine, theirs)),
-                         "max_abs_diff": float((mine - theirs).abs().max()) if mine.numel() else 0.0,
-                         "ref_absmax": float(theirs.abs().max()) if theirs.numel() else 0.0,
-                         "changed_fraction": float((mine != before[n]).float().mean()) if mine.numel() else 0.0}
-        out["params"] = params
-        ref_m = [local_tensor(m) for _, m in ref_masters.pairs]
-        pairs = [(local_tensor(m).detach(), rm.detach()[slice(*local_rows(p))])
-                 for (p, m), rm in zip(masters.pairs, ref_m)]
-        out["masters_equal"] = all(torch.equal(a, b) for a, b in pairs)
-        out["masters_max_abs_diff"] = max([float((a - b).abs().max()) for a, b in pairs if a.numel()] or [0.0])
-        out["lr"], out["steps"] = lr, steps
-        out["masters_max_rel_diff"] = max(
-            [float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in pairs if a.numel()] or [0.0])
-        return out
-    finally:
-        if hook_form is not None:
-            attach_fsdp2_hooks()
-
-
-def _resident_bytes(model: nn.Module) -> int:
-    total = 0
-    for p in model.parameters():
-        loc = local_tensor(p)
-        total += loc.quantized_nbytes() if isinstance(loc, QuantizedTensor) else loc.numel() * loc.element_size()
-        hp = getattr(p, HP_INIT_ATTR, None)
-        if hp is not None:
-            total += hp.numel() * hp.element_size()
-    return total
-
-
-def init_memory_demo(dim: int = 256, hidden: int = 1024, n_blocks: int = 2, recipe: str = "fp8") -> dict:
-    """Peak memory per rank of four ways to initialise the same sharded model (measured, see track_peak_memory)."""
-    import gc
-
-    mesh, dev = rank_setup()
-    bf16 = lambda: BlockMLP(dim, hidden, n_blocks, dtype=torch.bfloat16)  # noqa: E731
-    variants = {
-        "bf16, built whole": lambda: build_sharded_plain(bf16, mesh, dev, meta=False),
-        "bf16, meta init": lambda: build_sharded_plain(bf16, mesh, dev, meta=True),
-        f"{recipe}, meta init": lambda: build_sharded_quantized(bf16, mesh, RECIPES[recipe](), dev),
-        f"{recipe}, meta init + fp32 init kept": lambda: build_sharded_quantized(
-            bf16, mesh, RECIPES[recipe](), dev, preserve_high_precision=True),
-    }
-    out = {"rank": mesh.get_local_rank(), "params": 0, "variants": {}}
-    for name, make in variants.items():
-        gc.collect()
-        with track_peak_memory(dev) as peak:
-            model = make()
-        out["variants"][name] = {"peak": peak.bytes, "resident": _resident_bytes(model)}
-        out["params"] = sum(p.numel() for p in model.parameters())
-        del model
-    return out
-
-
-@contextlib.contextmanager
-def _quiet_kineto() -> Iterator[None]:
-    """Drop the profiler library's "USDT: ... profiler_start/stop" lines from fd 2; keep everything else."""
-    import os
-    import sys
-    import tempfile
-
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            kept = [line for line in tmp.read().decode(errors="replace").splitlines(keepends=True)
-                    if not line.startswith("USDT:")]
-            if kept:
-                sys.stderr.write("".join(kept))
-                sys.stderr.flush()

@@ -61,8 +61,8 @@ def deterministic_cuda() -> None:
     cuBLAS picks workspace-dependent (run-to-run different) reductions when work is issued from
     several streams -- FSDP2 uses several -- unless ``CUBLAS_WORKSPACE_CONFIG`` is set before its
     first use in the process (the launcher sets it in every CUDA rank for this reason);
-    ``use_deterministic_algorithms`` covers torch's own kernels. Measured on 2 H200s without it: a
-    resumed loss (lesson 09) differed from the uninterrupted run in the last bits.
+    ``use_deterministic_algorithms`` covers torch's own kernels. Without them a resumed loss on GPUs
+    (lesson 09) can differ from the uninterrupted run in the last bits.
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
     torch.use_deterministic_algorithms(True, warn_only=True)

@@ -1,1 +1,3 @@
-"""."""
+"""What every layer may use: self-checks (``checks``), the papermill runner for the lessons
+(``notebooks``, ``python -m tutorial_lib.harness.notebooks``), and all timing and benchmark
+plumbing (``bench``, ``python -m tutorial_lib.harness.bench`` regenerates the README table)."""

@@ -26,6 +26,8 @@ import gc
 import json
 import os
 import statistics
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -96,11 +98,11 @@ def time_alternating(opts: dict, steps: int, device: torch.device, extra: dict |
     untimed): ``{name: [ms, ...]}``, the lists paired round by round (see :func:`paired_ratio`).
 
     CUDA: ``do_bench`` per optimizer: each timed call starts on an idle GPU (after an L2 flush), so
-    the host work that precedes the first launch is counted in full -- step LATENCY. With ~2,000
-    parameters that host work (a few passes over the parameter objects) is as long as the ~0.7 ms
-    kernel or longer, and it drifts with the state of the host: measured on 2x H200 the same step
-    took 0.7-1.2 ms of host time in a fresh process and 1.0-2.0 ms in benchmark runs minutes apart,
-    and single rounds gave DTensor/plain ratios from 0.52 to 1.16. Hence the optimizers take
+    the host work that precedes the first launch is counted in full -- step LATENCY. With thousands
+    of parameters that host work (a few passes over the parameter objects) can be as long as the
+    kernel or longer, and it drifts with the state of the host from minute to minute, so a ratio of
+    two medians taken at different moments measures the drift as much as the variants (the
+    recorded runs in ``benchmarks/results/adam_fsdp2-*.json`` keep every round). Hence the optimizers take
     turns for ``rounds`` rounds, in alternating order, and are compared ROUND BY ROUND; a barrier
     before each timing makes all ranks time the same optimizer at once (they share the host's cores
     and caches), and a garbage collection before it keeps collector pauses out of the windows.
@@ -221,6 +223,27 @@ def track_peak_memory(device) -> Iterator[PeakMemory]:
 
 
 # ----------------------------------------------------------------------------- rank functions (lesson 06, tests)
+
+
+@contextlib.contextmanager
+def _quiet_kineto() -> Iterator[None]:
+    """Drop the profiler library's "USDT: ... profiler_start/stop" lines from fd 2; keep everything else."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = [line for line in tmp.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith("USDT:")]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 def benchmark_device(quick: bool) -> torch.device:
@@ -371,6 +394,6 @@ def update_readme(readme: str | Path, results_dir: str | Path) -> bool:
 
 
 if __name__ == "__main__":
-    _root = Path(__file__).resolve().parent.parent
+    _root = Path(__file__).resolve().parents[2]
     changed = update_readme(_root / "README.md", _root / "benchmarks" / "results")
     print("README benchmark table " + ("updated" if changed else "already up to date"))

@@ -31,7 +31,7 @@ import nbformat
 
 from tutorial_lib.harness.checks import PASS_MARK
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 DEFAULT_OUT = REPO_ROOT / "output"
 KERNEL_NAME = "python3"
@@ -201,7 +201,8 @@ def has_outputs(path: str | Path) -> bool:
 
 
 def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tutorial_lib.harness.notebooks", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tutorial_lib.harness.notebooks",
+                                     description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="execute lessons, verify them, render HTML")
     run.add_argument("paths", nargs="*", help="lessons to run (default: all in notebooks/)")

@@ -1,4 +1,4 @@
-"""Rank functions for lesson 05 (DTensor): placements, redistribution, quantized locals, seeded init.
+"""Lesson 05 (DTensor): placements, redistribution, quantized locals, seeded init -- as rank functions.
 
 A DTensor is a *global* tensor described by a device mesh and one placement per mesh dim;
 each rank holds a *local* tensor::
@@ -16,31 +16,49 @@ second step lands in *its* ``__torch_dispatch__``: views stay quantized, anythin
     dt.t()  ->  DTensor: Shard(0) -> Shard(1)  ->  Float8Tensor: aten.t handler (still FP8)
     dt * 2  ->  DTensor: same placements       ->  Float8Tensor: fallback (plain result)
 
-Each function here runs on every rank (``tutorial_lib.dist.launcher.launch``) and returns plain
-values for the notebook to print, plot and check.
+Each ``*_demo`` function runs on every rank (:func:`tutorial_lib.dist.launcher.launch`) and
+returns a dataclass of plain values and CPU tensors for the notebook to print, plot and check.
 
 Example::
 
-    from tutorial_lib.dist.launcher import launch
-    from tutorial_lib.lessons.dtensor import placements_demo, init_pitfall_demo
+    from tutorial_lib.dist.launcher import launch, run_sequence
+    from tutorial_lib.lessons.dtensor import init_pitfall_demo, placements_demo
+
     res = launch(placements_demo, world_size=2, device="cpu", args=(4, 6))
-    res[1]["Shard(0)"]["local"]          # rows 2-3 of the global tensor
+    res[1].shard0.local                  # rows 2-3 of the global tensor
+    per_rank = launch(run_sequence, world_size=2, device="cpu",
+                      args=([(placements_demo, {}), (init_pitfall_demo, {"dim": 8, "hidden": 6})],))
+    per_rank[0][1].all_params_equal_reference       # True: counter-based init
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from tutorial_lib.dist.fsdp2 import rank_setup, record_quantized_dispatch
-from tutorial_lib.dist.launcher import rank_device
+from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.models import BlockMLP, counter_uniform, naive_reset_parameters, shard_rows
-from tutorial_lib.quant.tensor import FALLBACKS, fallback_mode
-from tutorial_lib.quant.per_tensor import CurrentScaling
+from tutorial_lib.quant.fallback import FALLBACKS, fallback_mode
+from tutorial_lib.quant.float8 import CurrentScaling
+from tutorial_lib.quant.tensor import QuantizedTensor
 
 __all__ = [
+    "DispatchStep",
+    "InitPitfallResult",
+    "LocalShard",
+    "PartialResult",
+    "PlacementsResult",
+    "QuantizedDTensorResult",
+    "RedistributeResult",
+    "Redistribution",
+    "UnevenResult",
     "comm_counts",
     "init_pitfall_demo",
     "placements_demo",
@@ -50,8 +68,106 @@ __all__ = [
 ]
 
 
-def _mesh():
-    return rank_setup()[0]
+# ----------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass
+class LocalShard:
+    """One placement of the global tensor, seen from one rank."""
+
+    placement: str  # str(placement): "S(0)", "S(1)", "R"
+    local: torch.Tensor  # this rank's local tensor
+    full_equal: bool  # full_tensor() rebuilt the global tensor exactly
+
+
+@dataclasses.dataclass
+class PartialResult:
+    """A ``Partial()`` DTensor (each rank holds a summand) redistributed to ``Replicate()``."""
+
+    local: torch.Tensor  # this rank's summand: x * (rank + 1)
+    reduced: torch.Tensor  # after the redistribution: the sum over the ranks
+    expected: torch.Tensor  # x * world_size * (world_size + 1) / 2
+    comms: dict[str, int]  # collectives the redistribution ran
+
+
+@dataclasses.dataclass
+class UnevenResult:
+    """``Shard(0)`` of a tensor with ``world_size + 1`` rows."""
+
+    rows: int  # rows of this rank's local tensor
+    expected: tuple[int, int]  # shard_rows(): this rank's row range by torch.chunk
+    full_equal: bool
+
+
+@dataclasses.dataclass
+class PlacementsResult:
+    """:func:`placements_demo` on one rank."""
+
+    rank: int
+    global_tensor: torch.Tensor
+    shard0: LocalShard
+    shard1: LocalShard
+    replicate: LocalShard
+    partial: PartialResult
+    uneven: UnevenResult
+
+
+@dataclasses.dataclass
+class Redistribution:
+    """One ``redistribute`` from placement ``src`` to ``dst``."""
+
+    src: str  # e.g. "S(0)", "P(sum)"
+    dst: str
+    comms: dict[str, int]  # collectives it ran
+    local_shape: tuple[int, ...]  # this rank's local shape afterwards
+    max_err: float  # max |full_tensor() - x|
+
+
+@dataclasses.dataclass
+class RedistributeResult:
+    """:func:`redistribute_demo` on one rank."""
+
+    rank: int
+    rows: list[Redistribution]
+
+
+@dataclasses.dataclass
+class DispatchStep:
+    """One op on a DTensor of Float8Tensor shards, traced through both dispatch layers."""
+
+    op: str  # the expression, e.g. "dt.t()"
+    result: str  # type of the result (with placements for a DTensor)
+    local: str  # type of the result's local tensor
+    quantized_layer_saw: list[str]  # aten ops that reached QuantizedTensor.__torch_dispatch__
+    fallbacks: list[str]  # ops counted as dequantizing fallbacks
+    comms: dict[str, int]  # collectives it ran
+
+
+@dataclasses.dataclass
+class QuantizedDTensorResult:
+    """:func:`quantized_dtensor_demo` on one rank."""
+
+    rank: int
+    local_type: str  # class of the DTensor's local tensor
+    scale_inv: torch.Tensor  # this rank's shard scale (the same on every rank: amax all-reduced)
+    steps: list[DispatchStep]
+    full: torch.Tensor  # dt.full_tensor()
+    full_equals_reference: bool  # == quantize-dequantize of the whole tensor in one process
+
+
+@dataclasses.dataclass
+class InitPitfallResult:
+    """:func:`init_pitfall_demo` on one rank: ``blocks[0].fc1.weight`` initialised three ways."""
+
+    rank: int
+    naive_local: torch.Tensor  # this rank's shard after manual_seed + nn.init
+    naive_full: torch.Tensor  # the gathered naive weight
+    fixed_full: torch.Tensor  # the gathered weight after counter-based init
+    reference: torch.Tensor  # the single-process model's weight, same seed
+    all_params_equal_reference: bool  # every counter-initialised parameter equals the reference
+
+
+# ----------------------------------------------------------------------------- helpers
 
 
 def comm_counts(mode: CommDebugMode) -> dict[str, int]:
@@ -59,89 +175,104 @@ def comm_counts(mode: CommDebugMode) -> dict[str, int]:
     return {str(k).split(".")[-1]: int(v) for k, v in mode.get_comm_counts().items()}
 
 
-def placements_demo(rows: int = 4, cols: int = 6) -> dict:
+@contextlib.contextmanager
+def record_quantized_dispatch() -> Iterator[list[str]]:
+    """Log every op that reaches ``QuantizedTensor.__torch_dispatch__`` (after DTensor did its part)."""
+    seen: list[str] = []
+    original = QuantizedTensor.__dict__["__torch_dispatch__"]
+
+    def logged(cls, func, types, args=(), kwargs=None):
+        seen.append(str(func))
+        return original.__func__(cls, func, types, args, kwargs)
+
+    QuantizedTensor.__torch_dispatch__ = classmethod(logged)
+    try:
+        yield seen
+    finally:
+        QuantizedTensor.__torch_dispatch__ = original
+
+
+# ----------------------------------------------------------------------------- rank functions
+
+
+def placements_demo(rows: int = 4, cols: int = 6) -> PlacementsResult:
     """The same global tensor under Shard(0), Shard(1), Replicate and Partial; plus an uneven Shard(0)."""
-    mesh, rank, ws = _mesh(), dist.get_rank(), dist.get_world_size()
-    dev = rank_device()
+    mesh, dev = world_mesh()
+    rank, ws = dist.get_rank(), dist.get_world_size()
     x = torch.arange(rows * cols, dtype=torch.float32, device=dev).reshape(rows, cols)
-    out = {"rank": rank, "global": x}
+    shards = []
     for pl in (Shard(0), Shard(1), Replicate()):
         dt = distribute_tensor(x, mesh, [pl])
-        out[str(pl)] = {"local": dt.to_local(), "full_equal": bool(torch.equal(dt.full_tensor(), x))}
+        shards.append(LocalShard(str(pl), dt.to_local(), bool(torch.equal(dt.full_tensor(), x))))
     # Partial: each rank holds a summand; the global value is their sum (a pending all-reduce).
     part = DTensor.from_local(x * (rank + 1), mesh, [Partial()], run_check=False)
     with CommDebugMode() as comm:
         rep = part.redistribute(mesh, [Replicate()])
-    out["Partial()"] = {"local": part.to_local(), "reduced": rep.to_local(), "comms": comm_counts(comm),
-                        "expected": x * ws * (ws + 1) / 2}
+    partial = PartialResult(part.to_local(), rep.to_local(), x * ws * (ws + 1) / 2, comm_counts(comm))
     # Uneven: dim 0 not divisible by the world size -> torch.chunk sizes (the last ranks get fewer rows).
     odd = torch.arange((ws + 1) * cols, dtype=torch.float32, device=dev).reshape(ws + 1, cols)
     dt = distribute_tensor(odd, mesh, [Shard(0)])
-    out["uneven"] = {"rows": tuple(dt.to_local().shape)[0], "expected": shard_rows(ws + 1, ws, rank),
-                     "full_equal": bool(torch.equal(dt.full_tensor(), odd))}
-    return out
+    uneven = UnevenResult(dt.to_local().shape[0], shard_rows(ws + 1, ws, rank),
+                          bool(torch.equal(dt.full_tensor(), odd)))
+    return PlacementsResult(rank, x, shard0=shards[0], shard1=shards[1], replicate=shards[2], partial=partial,
+                            uneven=uneven)
 
 
-def redistribute_demo(rows: int = 8, cols: int = 8) -> dict:
+def redistribute_demo(rows: int = 8, cols: int = 8) -> RedistributeResult:
     """Which collective each redistribution runs (CommDebugMode), and that the values survive."""
-    mesh = _mesh()
-    x = counter_uniform(0, "redistribute", (rows, cols), device=rank_device())
+    mesh, dev = world_mesh()
+    x = counter_uniform(0, "redistribute", (rows, cols), device=dev)
     dt = distribute_tensor(x, mesh, [Shard(0)])
-    rows_out = []
+    moves = []
     for src, dst in ((Shard(0), Shard(1)), (Shard(0), Replicate()), (Replicate(), Shard(0)), (Partial(), Replicate())):
         start = DTensor.from_local(x / dist.get_world_size(), mesh, [src], run_check=False) if src == Partial() \
             else dt.redistribute(mesh, [src])
         with CommDebugMode() as comm:
             moved = start.redistribute(mesh, [dst])
-        rows_out.append({"from": str(src), "to": str(dst), "comms": comm_counts(comm),
-                         "local_shape": tuple(moved.to_local().shape),
-                         "max_err": float((moved.full_tensor() - x).abs().max())})
-    return {"rank": dist.get_rank(), "rows": rows_out}
+        moves.append(Redistribution(str(src), str(dst), comm_counts(comm), tuple(moved.to_local().shape),
+                                    float((moved.full_tensor() - x).abs().max())))
+    return RedistributeResult(dist.get_rank(), moves)
 
 
-def quantized_dtensor_demo(rows: int = 8, cols: int = 16) -> dict:
+def quantized_dtensor_demo(rows: int = 8, cols: int = 16) -> QuantizedDTensorResult:
     """A DTensor whose local shards are Float8Tensors sharing one scale (amax all-reduced)."""
-    mesh, rank, ws = _mesh(), dist.get_rank(), dist.get_world_size()
-    dev = rank_device()
+    mesh, dev = world_mesh()
+    rank, ws = dist.get_rank(), dist.get_world_size()
     hp = counter_uniform(1, "w", (rows, cols), device=dev)  # every rank can make the same global tensor
     start, stop = shard_rows(rows, ws, rank)
     q_local = CurrentScaling("e4m3", group=mesh.get_group()).quantize(hp[start:stop])  # one scale for all shards
     dt = DTensor.from_local(q_local, mesh, [Shard(0)], run_check=False, shape=hp.shape, stride=hp.stride())
     reference = CurrentScaling("e4m3").quantize(hp).dequantize()  # single process, whole tensor
-    out = {"rank": rank, "local_type": type(dt.to_local()).__name__, "scale_inv": q_local.scale_inv.clone()}
     steps = {
         "dt.t()": lambda: dt.t(),
         "dt.view(-1)": lambda: dt.view(-1),
         "dt * 2": lambda: dt * 2,
         "dt.full_tensor()": lambda: dt.full_tensor(),
     }
-    out["steps"] = []
+    traced, full = [], None
     with fallback_mode("allow"):
         for name, fn in steps.items():
             before = FALLBACKS.copy()
             with record_quantized_dispatch() as seen, CommDebugMode() as comm:
                 res = fn()
             local = res.to_local() if isinstance(res, DTensor) else res
-            out["steps"].append({
-                "op": name,
-                "result": type(res).__name__ + (f"{list(res.placements)}" if isinstance(res, DTensor) else ""),
-                "local": type(local).__name__,
-                "quantized_layer_saw": sorted(set(seen)),
-                "fallbacks": sorted((FALLBACKS - before).keys()),
-                "comms": comm_counts(comm),
-            })
+            traced.append(DispatchStep(
+                op=name,
+                result=type(res).__name__ + (f"{list(res.placements)}" if isinstance(res, DTensor) else ""),
+                local=type(local).__name__,
+                quantized_layer_saw=sorted(set(seen)),
+                fallbacks=sorted((FALLBACKS - before).keys()),
+                comms=comm_counts(comm),
+            ))
             if name == "dt.full_tensor()":
-                out["full"] = res
-    out["full_equals_reference"] = bool(torch.equal(out["full"], reference))
-    return out
+                full = res
+    return QuantizedDTensorResult(rank, type(dt.to_local()).__name__, q_local.scale_inv.clone(), traced, full,
+                                  bool(torch.equal(full, reference)))
 
 
-def init_pitfall_demo(dim: int = 8, hidden: int = 6, seed: int = 0) -> dict:
+def init_pitfall_demo(dim: int = 8, hidden: int = 6, seed: int = 0) -> InitPitfallResult:
     """Meta init + fully_shard + per-rank init: the naive way (identical shards) and the counter-based way."""
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = _mesh()
-    dev = rank_device()
+    mesh, dev = world_mesh()
     with torch.device("meta"):
         model = BlockMLP(dim, hidden, 1, seed=seed)
     fully_shard(model, mesh=mesh)
@@ -155,7 +286,6 @@ def init_pitfall_demo(dim: int = 8, hidden: int = 6, seed: int = 0) -> dict:
     model.reset_parameters()  # counter-based: rows of my shard, keyed by (seed, name, index)
     fixed_full = fc1().full_tensor()
     ref = BlockMLP(dim, hidden, 1, seed=seed).to(dev)  # the single-process model with the same seed
-    ref_full = ref.blocks[0].fc1.weight.detach()
     all_equal = all(torch.equal(p.full_tensor(), r.detach()) for p, r in zip(model.parameters(), ref.parameters()))
-    return {"rank": dist.get_rank(), "naive_local": naive_local, "naive_full": naive_full, "fixed_full": fixed_full,
-            "reference": ref_full, "all_params_equal_reference": all_equal}
+    return InitPitfallResult(dist.get_rank(), naive_local, naive_full, fixed_full,
+                             ref.blocks[0].fc1.weight.detach(), all_equal)

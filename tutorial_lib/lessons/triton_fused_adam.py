@@ -1,11 +1,16 @@
-"""FusedAdam on N ranks: the rank functions lesson 07, the FSDP2 tests and the 2-GPU benchmark run.
+"""FusedAdam on N ranks: the rank functions of lesson 07, its FSDP2 tests and the 2-GPU benchmark.
 
 Each function runs inside :func:`tutorial_lib.dist.launcher.launch` (process group initialised, one
-device per rank) and returns plain picklable results::
+device per rank) and returns a dataclass of plain picklable fields, one per rank. Several of them
+run in ONE launch with :func:`tutorial_lib.dist.launcher.run_sequence` (starting ranks costs
+seconds on a CPU)::
 
-    from tutorial_lib.dist.launcher import launch
-    from tutorial_lib.lessons.triton_fused_adam import fsdp2_fused_vs_torch
-    per_rank = launch(fsdp2_fused_vs_torch, world_size=2, device="cpu", args=(10,))
+    from tutorial_lib.dist.launcher import launch, run_sequence
+    from tutorial_lib.lessons.triton_fused_adam import dtensor_overhead, fsdp2_fused_vs_torch
+    per_rank = launch(run_sequence, world_size=2, device="cpu",
+                      args=([(fsdp2_fused_vs_torch, {"steps": 10}), (dtensor_overhead, {"n_params": 16})],))
+    fsdp, overhead = per_rank[0]            # rank 0: a FusedVsTorch and a DTensorOverhead
+    overhead.optimizers["fused"].latency.ratio
 
 * :func:`fsdp2_fused_vs_torch` -- one model, ``fully_shard`` ed twice (uneven and empty shards
   included), trained with ``torch.optim.AdamW`` and with ``FusedAdam`` on the same batches.
@@ -20,21 +25,38 @@ device per rank) and returns plain picklable results::
 
 from __future__ import annotations
 
-import gc
+import dataclasses
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
+from tutorial_lib.dist.mesh import world_mesh
+from tutorial_lib.harness.bench import paired_ratio, time_alternating, time_new_grads
 from tutorial_lib.optim.adamw_reference import adamw_reference_step_
 from tutorial_lib.optim.fused_adam import HP_INIT_ATTR, FusedAdam
-from tutorial_lib.dist.launcher import rank_device
+from tutorial_lib.quant.float8 import CurrentScaling, DelayedScaling
+from tutorial_lib.quant.per_tensor import quantize_per_tensor
 
-__all__ = ["fsdp2_fused_vs_torch", "fsdp2_dcp_roundtrip", "quantized_dtensor_step", "dtensor_overhead",
-           "lesson07_experiments", "fused_adam_fsdp2_checks", "small_mlp"]
+__all__ = [
+    "OPTIMIZERS",
+    "DTensorOverhead",
+    "DcpRoundtrip",
+    "FusedVsTorch",
+    "OptimizerOverhead",
+    "PairedTimes",
+    "QuantizedStep",
+    "dtensor_overhead",
+    "fsdp2_dcp_roundtrip",
+    "fsdp2_fused_vs_torch",
+    "quantized_dtensor_step",
+    "small_mlp",
+]
 
 
 def small_mlp(seed: int = 0) -> nn.Sequential:
@@ -44,12 +66,36 @@ def small_mlp(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(nn.Linear(16, 13), nn.GELU(), nn.Linear(13, 7), nn.GELU(), nn.Linear(7, 1))
 
 
-def fsdp2_fused_vs_torch(steps: int = 10, lr: float = 1e-2, weight_decay: float = 0.1, seed: int = 0) -> dict:
+def _sharded_mlp(seed: int, dtype: torch.dtype, mesh, dev: torch.device) -> nn.Module:
+    model = small_mlp(seed).to(device=dev, dtype=dtype)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+# ----------------------------------------------------------------------------- FSDP2: FusedAdam vs torch AdamW
+
+
+@dataclasses.dataclass
+class FusedVsTorch:
+    """One rank's result of :func:`fsdp2_fused_vs_torch` (parameters in ``model.parameters()`` order)."""
+
+    rank: int
+    losses: list[tuple[float, float]]  # per step: (torch AdamW's loss, FusedAdam's loss) on this rank's batch
+    max_abs_diff_per_step: list[float]  # per step: max |torch param - FusedAdam param| over this rank's shards
+    max_abs_param: float  # max |param| over torch's non-empty shards at the end (scales the tolerance)
+    local_shapes: list[tuple[int, ...]]  # this rank's shard shape per parameter ((0, 7): an empty shard)
+    state_is_dtensor_like_param: bool  # exp_avg / exp_avg_sq are DTensors with the parameter's placements, shape
+    steps: list[float]  # FusedAdam's step count per parameter
+    ref_steps: list[float]  # torch AdamW's step count per parameter
+
+
+def fsdp2_fused_vs_torch(steps: int = 10, lr: float = 1e-2, weight_decay: float = 0.1, seed: int = 0) -> FusedVsTorch:
     """Train two FSDP2 copies of :func:`small_mlp` (torch AdamW vs FusedAdam); compare every step."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dev = rank_device()
-    mesh = init_device_mesh(dev.type, (world,))
-    ref_model, fused_model = (_sharded_mlp(seed, torch.float32, mesh) for _ in range(2))
+    mesh, dev = world_mesh()
+    rank = dist.get_rank()
+    ref_model, fused_model = (_sharded_mlp(seed, torch.float32, mesh, dev) for _ in range(2))
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=lr, weight_decay=weight_decay)
     fused_opt = FusedAdam(fused_model.parameters(), lr=lr, weight_decay=weight_decay)
     gen = torch.Generator().manual_seed(seed + 1000 * (rank + 1))  # each rank its own batches
@@ -64,7 +110,7 @@ def fsdp2_fused_vs_torch(steps: int = 10, lr: float = 1e-2, weight_decay: float 
             opt.step()
             opt.zero_grad()
             step_losses.append(loss.item())
-        losses.append(step_losses)
+        losses.append(tuple(step_losses))
         max_diff.append(max(
             (a.to_local() - b.to_local()).abs().max().item() if a.to_local().numel() else 0.0
             for a, b in zip(ref_model.parameters(), fused_model.parameters())
@@ -74,35 +120,41 @@ def fsdp2_fused_vs_torch(steps: int = 10, lr: float = 1e-2, weight_decay: float 
         st = fused_opt.state[p]
         state_ok.append(all(isinstance(st[k], DTensor) and st[k].placements == p.placements
                             and st[k].shape == p.shape for k in ("exp_avg", "exp_avg_sq")))
-    return {
-        "rank": rank,
-        "losses": losses,
-        "max_abs_diff_per_step": max_diff,
-        "max_abs_param": max(p.to_local().abs().max().item() for p in ref_model.parameters()
-                             if p.to_local().numel()),
-        "local_shapes": [tuple(p.to_local().shape) for p in fused_model.parameters()],
-        "state_is_dtensor_like_param": all(state_ok),
-        "steps": [fused_opt.state[p]["step"].item() for p in fused_model.parameters()],
-        "ref_steps": [ref_opt.state[p]["step"].item() for p in ref_model.parameters()],
-    }
+    return FusedVsTorch(
+        rank=rank,
+        losses=losses,
+        max_abs_diff_per_step=max_diff,
+        max_abs_param=max(p.to_local().abs().max().item() for p in ref_model.parameters() if p.to_local().numel()),
+        local_shapes=[tuple(p.to_local().shape) for p in fused_model.parameters()],
+        state_is_dtensor_like_param=all(state_ok),
+        steps=[fused_opt.state[p]["step"].item() for p in fused_model.parameters()],
+        ref_steps=[ref_opt.state[p]["step"].item() for p in ref_model.parameters()],
+    )
 
 
-def _sharded_mlp(seed: int, dtype: torch.dtype, mesh):
-    from torch.distributed.fsdp import fully_shard
-
-    model = small_mlp(seed).to(device=rank_device(), dtype=dtype)
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+# ----------------------------------------------------------------------------- FSDP2 + DCP: an exact resume
 
 
-def _train(model, opt, steps: range, seed: int, dtype: torch.dtype) -> list[float]:
+@dataclasses.dataclass
+class DcpRoundtrip:
+    """One rank's result of :func:`fsdp2_dcp_roundtrip` for one parameter dtype."""
+
+    rank: int
+    dtype: str  # "float32" or "bfloat16" (then FusedAdam keeps fp32 masters)
+    losses: list[float]  # steps 3 and 4 of the run that saved the checkpoint after step 2
+    resumed_losses: list[float]  # the same steps after loading the checkpoint into a fresh model + optimizer
+    params_bitwise_equal: bool  # both runs end with bit-identical local shards
+    state_keys: list[str]  # the loaded optimizer's state keys (sorted, over all parameters)
+    masters_fp32_dtensor: bool | None  # loaded masters are fp32 DTensors (None: no master weights)
+    steps: list[float]  # the distinct step counts of the loaded optimizer at the end
+
+
+def _train(model, opt, steps: range, seed: int, dtype: torch.dtype, dev: torch.device) -> list[float]:
     losses = []
     for step in steps:  # batches depend only on (seed, rank, step): a resumed run sees the same data
         gen = torch.Generator().manual_seed(seed + 1000 * dist.get_rank() + step)
-        x = torch.randn(8, 16, generator=gen).to(rank_device(), dtype)
-        y = torch.randn(8, 1, generator=gen).to(rank_device(), dtype)
+        x = torch.randn(8, 16, generator=gen).to(dev, dtype)
+        y = torch.randn(8, 1, generator=gen).to(dev, dtype)
         loss = nn.functional.mse_loss(model(x).float(), y.float())
         loss.backward()
         opt.step()
@@ -111,51 +163,61 @@ def _train(model, opt, steps: range, seed: int, dtype: torch.dtype) -> list[floa
     return losses
 
 
-def fsdp2_dcp_roundtrip(checkpoint_dir: str, dtypes: tuple[str, ...] = ("float32", "bfloat16"),
-                        seed: int = 0) -> dict:
-    """Per dtype: save FSDP2 model + FusedAdam state with DCP after 3 steps, train 2 more; load the
-    checkpoint into a freshly built (differently initialised) model + optimizer, train the same 2.
+def fsdp2_dcp_roundtrip(checkpoint_dir: str, dtype: str = "float32", seed: int = 0) -> DcpRoundtrip:
+    """Save FSDP2 model + FusedAdam state with DCP after 3 steps, train 2 more; load the checkpoint
+    into a freshly built (differently initialised) model + optimizer, train the same 2.
 
-    With ``bfloat16`` the optimizer keeps fp32 master weights: they must travel through DCP as
-    fp32 DTensors, or the resumed run would restart from bf16-rounded masters.
-    ``checkpoint_dir`` must be the same path on every rank (one subdirectory per dtype).
+    With ``dtype="bfloat16"`` the optimizer keeps fp32 master weights: they must travel through DCP
+    as fp32 DTensors, or the resumed run would restart from bf16-rounded masters.
+    ``checkpoint_dir`` must be the same path on every rank (and one per dtype).
     """
-    import os
-
-    return {dtype: _dcp_roundtrip(os.path.join(checkpoint_dir, dtype), dtype, seed) for dtype in dtypes}
-
-
-def _dcp_roundtrip(checkpoint_dir: str, dtype: str, seed: int) -> dict:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
+    mesh, dev = world_mesh()
     dt = getattr(torch, dtype)
-    mesh = init_device_mesh(rank_device().type, (dist.get_world_size(),))
     kw = dict(lr=1e-2, weight_decay=0.1, master_weights=dt != torch.float32)
-    model = _sharded_mlp(seed, dt, mesh)
+    model = _sharded_mlp(seed, dt, mesh, dev)
     opt = FusedAdam(model.parameters(), **kw)
-    _train(model, opt, range(3), seed, dt)
+    _train(model, opt, range(3), seed, dt, dev)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=checkpoint_dir)
-    losses = _train(model, opt, range(3, 5), seed, dt)
+    losses = _train(model, opt, range(3, 5), seed, dt, dev)
 
-    model2 = _sharded_mlp(seed + 1, dt, mesh)
+    model2 = _sharded_mlp(seed + 1, dt, mesh, dev)
     opt2 = FusedAdam(model2.parameters(), **kw)
-    msd2, osd2 = get_state_dict(model2, opt2)  # DCP initialises FusedAdam state with an lr=0 step
+    opt2.init_state()  # state tensors for DCP to load into, without a step (torch's helper would take one)
+    msd2, osd2 = get_state_dict(model2, opt2)
     dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=checkpoint_dir)
     set_state_dict(model2, opt2, model_state_dict=msd2, optim_state_dict=osd2)
-    losses2 = _train(model2, opt2, range(3, 5), seed, dt)
+    losses2 = _train(model2, opt2, range(3, 5), seed, dt, dev)
 
     same = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), model2.parameters()))
-    keys = sorted({k for st in opt2.state.values() for k in st})
     masters_fp32 = all(st["master_param"].dtype == torch.float32 and isinstance(st["master_param"], DTensor)
                        for st in opt2.state.values()) if kw["master_weights"] else None
-    return {"rank": dist.get_rank(), "losses": losses, "resumed_losses": losses2, "params_bitwise_equal": same,
-            "state_keys": keys, "masters_fp32_dtensor": masters_fp32,
-            "steps": sorted({st["step"].item() for st in opt2.state.values()})}
+    return DcpRoundtrip(
+        rank=dist.get_rank(), dtype=dtype, losses=losses, resumed_losses=losses2, params_bitwise_equal=same,
+        state_keys=sorted({k for st in opt2.state.values() for k in st}), masters_fp32_dtensor=masters_fp32,
+        steps=sorted({st["step"].item() for st in opt2.state.values()}),
+    )
 
 
-def quantized_dtensor_step(steps: int = 3, lr: float = 1e-2, rows: int = 9, cols: int = 16, seed: int = 0) -> dict:
+# ----------------------------------------------------------------------------- FP8 local shards
+
+
+@dataclasses.dataclass
+class QuantizedStep:
+    """One rank's result of :func:`quantized_dtensor_step` (parameter 0: delayed scaling, 1: current)."""
+
+    rank: int
+    routes: list[str]  # FusedAdam's route per parameter: ["fp8_fused", "requantize"]
+    local_rows: int  # rows of this rank's shard (uneven: 9 rows over 2 ranks -> 5 and 4)
+    max_master_err: float  # max |FusedAdam master - reference AdamW on the fp32 shard| over all steps
+    fp8_bytes_equal_quantize_of_master: bool  # every step: fused FP8 bytes == quantize(master, scale in force)
+    scale_inv_per_step: list[list[float]]  # per step, per parameter: the scale_inv after the step
+    state_is_dtensor: bool  # exp_avg, exp_avg_sq and master_param are DTensors
+    hp_init_consumed: bool  # HP_INIT_ATTR was deleted once it had seeded the master
+
+
+def quantized_dtensor_step(steps: int = 3, lr: float = 1e-2, rows: int = 9, cols: int = 16,
+                           seed: int = 0) -> QuantizedStep:
     """DTensor params with FP8 local shards: fused delayed scaling and requantized current scaling.
 
     ``rows`` is sharded over the ranks (9 over 2: uneven). Every rank builds the same full fp32
@@ -163,11 +225,8 @@ def quantized_dtensor_step(steps: int = 3, lr: float = 1e-2, rows: int = 9, cols
     amax over the world group, so every rank ends up with the same scale. The high-precision shard
     is preserved in ``HP_INIT_ATTR`` and seeds the master exactly.
     """
-    from tutorial_lib.quant.per_tensor import CurrentScaling, DelayedScaling, quantize_per_tensor
-
+    mesh, dev = world_mesh()
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = rank_device()
-    mesh = init_device_mesh(dev.type, (world,))
     group = dist.group.WORLD
     torch.manual_seed(seed)
     full = [torch.randn(rows, cols) for _ in range(2)]
@@ -211,39 +270,95 @@ def quantized_dtensor_step(steps: int = 3, lr: float = 1e-2, rows: int = 9, cols
         master = opt.state[params[0]]["master_param"].to_local()
         bytes_equal &= torch.equal(local.raw_buffers()["data"], quantize_per_tensor(master, scale_in_force, "e4m3"))
         scales.append([params[i].to_local().raw_buffers()["scale_inv"].item() for i in range(2)])
-    return {
-        "rank": rank,
-        "routes": opt.routes()[0],
-        "local_rows": params[0].to_local().shape[0],
-        "max_master_err": max_master_err,
-        "fp8_bytes_equal_quantize_of_master": bool(bytes_equal),
-        "scale_inv_per_step": scales,
-        "state_is_dtensor": all(isinstance(opt.state[p][k], DTensor) for p in params
-                                for k in ("exp_avg", "exp_avg_sq", "master_param")),
-        "hp_init_consumed": not any(hasattr(p._local_tensor, HP_INIT_ATTR) or hasattr(p, HP_INIT_ATTR)
-                                    for p in params),
-    }
+    return QuantizedStep(
+        rank=rank,
+        routes=opt.routes()[0],
+        local_rows=params[0].to_local().shape[0],
+        max_master_err=max_master_err,
+        fp8_bytes_equal_quantize_of_master=bool(bytes_equal),
+        scale_inv_per_step=scales,
+        state_is_dtensor=all(isinstance(opt.state[p][k], DTensor) for p in params
+                             for k in ("exp_avg", "exp_avg_sq", "master_param")),
+        hp_init_consumed=not any(hasattr(p._local_tensor, HP_INIT_ATTR) or hasattr(p, HP_INIT_ATTR)
+                                 for p in params),
+    )
 
 
-_OPTIMIZERS = {
+# ----------------------------------------------------------------------------- DTensor vs plain parameters
+
+
+OPTIMIZERS = {
     "torch": lambda ps: torch.optim.AdamW(ps, lr=1e-3),  # foreach on CUDA, single-tensor on CPU
     "torch_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
     "fused": lambda ps: FusedAdam(ps, lr=1e-3),  # ours
 }
+"""The optimizers :func:`dtensor_overhead` can time, by name."""
 
 
-def dtensor_overhead(n_params: int = 200, numel: int = 64, steps: int = 3, optimizers=("torch", "fused")) -> dict:
+@dataclasses.dataclass
+class PairedTimes:
+    """Milliseconds of the same step on plain and on DTensor parameters, paired round by round
+    (the two variants take turns, see :func:`tutorial_lib.harness.bench.time_alternating`)."""
+
+    plain_ms: list[float]  # one value per round (or per step)
+    dtensor_ms: list[float]  # the same rounds, DTensor parameters
+
+    @property
+    def plain_median_ms(self) -> float:
+        return statistics.median(self.plain_ms)
+
+    @property
+    def dtensor_median_ms(self) -> float:
+        return statistics.median(self.dtensor_ms)
+
+    @property
+    def ratio(self) -> float:
+        """DTensor / plain: the median of the round-by-round ratios (robust to the host's drift)."""
+        return paired_ratio(self.dtensor_ms, self.plain_ms)
+
+    @property
+    def round_ratios(self) -> list[float]:
+        """DTensor / plain per round, rounded to 3 digits: the spread behind :attr:`ratio`."""
+        return [round(a / b, 3) for a, b in zip(self.dtensor_ms, self.plain_ms)]
+
+
+@dataclasses.dataclass
+class OptimizerOverhead:
+    """One optimizer's step on DTensor vs plain parameters, on one rank (``name``: a key of :data:`OPTIMIZERS`)."""
+
+    name: str
+    latency: PairedTimes | None = None  # ms per step (CUDA: do_bench, each call on an idle GPU; CPU: wall clock)
+    back_to_back: PairedTimes | None = None  # CUDA, FusedAdam: GPU ms per step over 50 steps issued back to back
+    host: PairedTimes | None = None  # CUDA, FusedAdam: the host's wall ms to issue one of those steps
+    new_grads_host: PairedTimes | None = None  # FusedAdam: host ms per step when every step brings new grads
+    error: str | None = None  # why this optimizer could not step DTensor parameters here (then no times)
+
+
+@dataclasses.dataclass
+class DTensorOverhead:
+    """One rank's result of :func:`dtensor_overhead`."""
+
+    rank: int
+    n_params: int
+    local_numel: int  # elements of each parameter's local shard
+    optimizers: dict[str, OptimizerOverhead]  # by name, in the order asked for
+    fused_dtensor_equals_plain: bool  # FusedAdam's steps give bit-identical local values on both kinds
+    fused_steps_first_last: list[float]  # FusedAdam's step count of the first and the last parameter: [3, 4]
+
+
+def dtensor_overhead(n_params: int = 200, numel: int = 64, steps: int = 3,
+                     optimizers: tuple[str, ...] = ("torch", "fused")) -> DTensorOverhead:
     """Step time on DTensor params vs the SAME local tensors as plain params, per optimizer
     (names: "torch" = AdamW default, "torch_fused" = AdamW(fused=True), "fused" = FusedAdam).
 
     Every parameter is a ``Shard(0)`` DTensor with a ``numel``-element local shard; the plain run
     uses exactly those local tensors (and grads). torch's AdamW runs its foreach/fused kernels
     on DTensors through DTensor dispatch (sharding propagation per op and parameter list);
-    FusedAdam unwraps the local tensors once per step.
+    FusedAdam unwraps the local tensors once per step. ``steps``: timed steps per optimizer on a
+    CPU (on CUDA the timing takes 9 alternating rounds of ``do_bench`` instead).
     """
+    mesh, dev = world_mesh()
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = rank_device()
-    mesh = init_device_mesh(dev.type, (world,))
     torch.manual_seed(rank)
     locals_ = [torch.randn(numel, device=dev) for _ in range(n_params)]
     grads = [torch.randn(numel, device=dev) for _ in range(n_params)]
@@ -263,33 +378,28 @@ def dtensor_overhead(n_params: int = 200, numel: int = 64, steps: int = 3, optim
             p.grad = g
         return params
 
-    out = {"rank": rank, "n_params": n_params, "local_numel": numel}
-    if "fused" in optimizers:  # every step with new grad tensors (zero_grad + backward): host ms per step
-        opts = {kind: _OPTIMIZERS["fused"](make(kind)) for kind in ("plain", "dtensor")}
+    results = {name: OptimizerOverhead(name) for name in optimizers}
+    if "fused" in results:  # every step with new grad tensors (zero_grad + backward): host ms per step
+        opts = {kind: OPTIMIZERS["fused"](make(kind)) for kind in ("plain", "dtensor")}
         sets = {kind: [grads_for(kind), grads_for(kind)] for kind in opts}
         rounds, per_round = (4, 5) if dev.type == "cuda" else (1, steps)
         host = time_new_grads(opts, sets, rounds=rounds, steps=per_round)
-        out["fused_new_grads_host_ms"] = {k: round(statistics.median(v), 4) for k, v in host.items()}
-        out["fused_new_grads_ratio"] = paired_ratio(host["dtensor"], host["plain"])
+        results["fused"].new_grads_host = PairedTimes(host["plain"], host["dtensor"])
         del opts, sets
-    for name in optimizers:
+    for name, res in results.items():
         extra = {}
         try:
-            ms = time_alternating({kind: _OPTIMIZERS[name](make(kind)) for kind in ("plain", "dtensor")}, steps, dev,
-                            extra if name == "fused" else None)
+            ms = time_alternating({kind: OPTIMIZERS[name](make(kind)) for kind in ("plain", "dtensor")}, steps, dev,
+                                  extra if name == "fused" else None)
         except Exception as exc:  # a peer that does not support DTensors here: report it, keep measuring
             if name == "fused":
                 raise
-            out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            res.error = f"{type(exc).__name__}: {exc}"[:500]
             continue
-        out[f"{name}_plain_ms"], out[f"{name}_dtensor_ms"] = (statistics.median(ms[k]) for k in ("plain", "dtensor"))
-        out[f"{name}_ratio"] = paired_ratio(ms["dtensor"], ms["plain"])
-        out[f"{name}_round_ratios"] = [round(a / b, 3) for a, b in zip(ms["dtensor"], ms["plain"])]
+        res.latency = PairedTimes(ms["plain"], ms["dtensor"])
         if extra:  # CUDA, FusedAdam: steps issued back to back, and the host's share
-            for key in ("back_to_back_ms", "host_ms"):
-                out[f"{name}_{key}"] = {k: round(statistics.median(v[key]), 4) for k, v in extra.items()}
-            out[f"{name}_back_to_back_ratio"] = paired_ratio(extra["dtensor"]["back_to_back_ms"],
-                                                             extra["plain"]["back_to_back_ms"])
+            res.back_to_back = PairedTimes(extra["plain"]["back_to_back_ms"], extra["dtensor"]["back_to_back_ms"])
+            res.host = PairedTimes(extra["plain"]["host_ms"], extra["dtensor"]["host_ms"])
     # the same FusedAdam steps on both kinds of parameters give bit-identical local values: all
     # grads present (the host's fast path), one grad None (the general path), then new grad tensors
     finals = []
@@ -313,28 +423,8 @@ def dtensor_overhead(n_params: int = 200, numel: int = 64, steps: int = 3, optim
         finals.append([p.detach()._local_tensor if kind == "dtensor" else p.detach() for p in params])
         finals[-1].append(opt.state[params[0]]["step"].clone())  # 3 steps: the None grad was skipped
         finals[-1].append(opt.state[params[-1]]["step"].clone())  # 4 steps
-    out["fused_dtensor_equals_plain"] = all(torch.equal(a, b) for a, b in zip(*finals))
-    out["fused_steps_first_last"] = [x.item() for x in finals[1][-2:]]
-    return out
-
-
-def lesson07_experiments(n_params: int, numel: int, timing_steps: int, optimizers: tuple, fsdp_steps: int) -> dict:
-    """Lesson 07's three distributed experiments in ONE launch (starting ranks costs seconds on a CPU):
-    :func:`dtensor_overhead`, :func:`fsdp2_fused_vs_torch` and :func:`quantized_dtensor_step`."""
-    return {
-        "overhead": dtensor_overhead(n_params, numel, timing_steps, optimizers),
-        "fsdp": fsdp2_fused_vs_torch(fsdp_steps),
-        "quantized": quantized_dtensor_step(),
-    }
-
-
-def fused_adam_fsdp2_checks(checkpoint_dir: str, fsdp_steps: int = 6) -> dict:
-    """The FSDP2 test suite's experiments in ONE launch (tests/lessons/test_triton_fused_adam.py):
-    :func:`fsdp2_fused_vs_torch`, :func:`quantized_dtensor_step`, :func:`fsdp2_dcp_roundtrip` and a tiny
-    :func:`dtensor_overhead` (its DTensor == plain check covers FusedAdam's host fast and general paths)."""
-    return {
-        "fsdp": fsdp2_fused_vs_torch(fsdp_steps),
-        "quantized": quantized_dtensor_step(),
-        "dcp": fsdp2_dcp_roundtrip(checkpoint_dir),
-        "overhead": dtensor_overhead(n_params=6, numel=8, steps=1, optimizers=("fused",)),
-    }
+    return DTensorOverhead(
+        rank=rank, n_params=n_params, local_numel=numel, optimizers=results,
+        fused_dtensor_equals_plain=all(torch.equal(a, b) for a, b in zip(*finals)),
+        fused_steps_first_last=[x.item() for x in finals[1][-2:]],
+    )

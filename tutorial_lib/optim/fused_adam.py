@@ -16,7 +16,7 @@ What one ``step()`` does (per param group)::
                    (current scaling, MXFP8, ...)                             format requantizes itself
 
 Per param group a :class:`~tutorial_lib.optim.fused_adam_plan.Plan` builds the kernel tables
-(``tutorial_kernels.adam``) once. Per step the host makes a few C-level passes over the parameters
+(``tutorial_kernels.adam_tables``) once. Per step the host makes a few C-level passes over the parameters
 (new storage? where are the grads? are new grads valid?) and writes two step scalars -- never a
 kernel launch or a DTensor op per parameter; ``tutorial_lib.optim.fused_adam_plan`` lists the passes and
 what they cost. The tables are rebuilt when a parameter gets new storage (``p.data = ...``, FSDP2's
@@ -42,6 +42,9 @@ Master weights are seeded, in this order of preference, from:
 Quantized parameters without master weights raise: their bytes cannot absorb updates of size
 lr, and silently skipping them would leave the model untrained.
 
+State is created on the first ``step()``, or without updating anything by :meth:`FusedAdam.init_state`
+(what checkpoint code calls before loading into the optimizer).
+
 Example::
 
     from tutorial_lib.optim.fused_adam import FusedAdam
@@ -58,13 +61,10 @@ from torch.distributed.tensor import DTensor
 from tutorial_kernels.adam import launch_adamw
 
 from tutorial_lib.optim.fused_adam_plan import MASTER_ROUTES, ROUTES, Bucket, Plan, fused_fp8_format, route_param
-from tutorial_lib.optim.fused_adam_plan import local_tensor as _local
-from tutorial_lib.quant.tensor import is_quantized
+from tutorial_lib.quant.per_tensor import all_reduce_amax
+from tutorial_lib.quant.tensor import HP_INIT_ATTR, is_quantized, local_tensor
 
 __all__ = ["FusedAdam", "HP_INIT_ATTR", "ROUTES", "route_param", "fused_fp8_format"]
-
-HP_INIT_ATTR = "_hp_init_value"
-
 
 def _like_param(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """Wrap a local state tensor as a DTensor with ``p``'s mesh and placements (plain ``p``: as is)."""
@@ -82,7 +82,7 @@ class FusedAdam(torch.optim.Optimizer):
         master_weights: keep an fp32 master copy of bf16/fp16 and quantized parameters (required
             for quantized ones). fp32 parameters are their own master.
         block, num_warps: Triton launch configuration (default block:
-            ``tutorial_kernels.adam.default_block()``); ``benchmarks/bench_adam.py`` sweeps a few.
+            ``tutorial_kernels.adam_tables.default_block()``); ``benchmarks/bench_adam.py`` sweeps a few.
 
     The kernel tables are cached per group. They are rebuilt automatically when parameters get
     new storage (``p.data = ...``, FSDP2 lazy init), on ``load_state_dict`` and ``add_param_group``.
@@ -132,7 +132,7 @@ class FusedAdam(torch.optim.Optimizer):
         if isinstance(p, DTensor) and (value.placements != p.placements or value.device_mesh != p.device_mesh):
             raise ValueError(f"state[{key!r}] placements {value.placements} differ from the parameter's "
                              f"{p.placements}")
-        x = _local(value)
+        x = local_tensor(value)
         if x.shape != local.shape:
             raise ValueError(f"state[{key!r}] has local shape {list(x.shape)}, parameter {list(local.shape)}")
         if x.dtype != torch.float32 or x.device != local.device or not x.is_contiguous():
@@ -143,7 +143,7 @@ class FusedAdam(torch.optim.Optimizer):
     def _seed_master(p: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         owner = local if hasattr(local, HP_INIT_ATTR) else p if hasattr(p, HP_INIT_ATTR) else None
         if owner is not None:
-            hp = _local(getattr(owner, HP_INIT_ATTR))
+            hp = local_tensor(getattr(owner, HP_INIT_ATTR))
             if hp.shape != local.shape:
                 raise ValueError(f"{HP_INIT_ATTR} has shape {list(hp.shape)}, the local shard {list(local.shape)}")
             master = hp.detach().to(device=local.device, dtype=torch.float32, copy=True).contiguous()
@@ -158,9 +158,9 @@ class FusedAdam(torch.optim.Optimizer):
         """Copy the current parameter values into the master weights (after loading model weights)."""
         for p, state in self.state.items():
             if "master_param" in state:
-                local = _local(p)
+                local = local_tensor(p)
                 src = local.dequantize(torch.float32) if is_quantized(local) else local.float()
-                _local(state["master_param"]).copy_(src)
+                local_tensor(state["master_param"]).copy_(src)
 
     def rebuild(self) -> None:
         """Forget the cached kernel tables: the next step re-reads every parameter. Needed only after
@@ -170,8 +170,25 @@ class FusedAdam(torch.optim.Optimizer):
 
     def routes(self) -> list[list[str]]:
         """Per param group, the route each (requires_grad) parameter takes: what lesson 07 prints."""
-        return [[route_param(_local(p), g["master_weights"], i) for i, p in enumerate(g["params"]) if p.requires_grad]
+        return [[route_param(local_tensor(p), g["master_weights"], i)
+                 for i, p in enumerate(g["params"]) if p.requires_grad]
                 for g in self.param_groups]
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create every parameter's state now, without updating anything.
+
+        ``step`` 0, zero ``exp_avg`` / ``exp_avg_sq`` and, on the master routes, the fp32 master
+        (seeded from ``HP_INIT_ATTR`` when present, which is consumed); DTensors like their
+        parameters. No parameter, gradient or quantizer is touched, and the next :meth:`step` is
+        the first update. Checkpoint code calls it before loading, so that DCP has state tensors
+        to load into -- by protocol (``hasattr(optimizer, "init_state")``), instead of torch's
+        helper that steps with zero gradients and ``lr=0`` (which counts a step and, for quantized
+        parameters, requantizes them and records an amax). State that already exists (loaded, or
+        from earlier steps) is kept.
+        """
+        for gi, group in enumerate(self.param_groups):
+            self._plan(gi, group)
 
     # -- step -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -184,11 +201,16 @@ class FusedAdam(torch.optim.Optimizer):
             self._step_group(gi, group)
         return loss
 
-    def _step_group(self, gi: int, group: dict) -> None:
+    def _plan(self, gi: int, group: dict) -> Plan:
+        """The group's cached plan; built (creating missing state) on first use or after new storage."""
         plan = self._plans.get(gi)
         if plan is None or plan.stale():
             # first step, or a parameter got new storage (p.data = ..., FSDP2 lazy init): rebuild
             plan = self._plans[gi] = Plan(group, self._init_state)
+        return plan
+
+    def _step_group(self, gi: int, group: dict) -> None:
+        plan = self._plan(gi, group)
         if not plan.params:
             return
         grads, addresses = plan.grads_and_addresses()
@@ -227,8 +249,6 @@ class FusedAdam(torch.optim.Optimizer):
             if getattr(q, "group", None) is not None:
                 groups.setdefault(id(q.group), []).append(j)
         if groups:
-            from tutorial_lib.quant.per_tensor import all_reduce_amax
-
             for js in groups.values():  # one collective per process group, all tensors at once
                 sub = amax if len(js) == len(b.quantizers) else amax[js]
                 all_reduce_amax(sub, b.quantizers[js[0]].group)
@@ -244,7 +264,7 @@ class FusedAdam(torch.optim.Optimizer):
         group = self.param_groups[-1]
         for i, p in enumerate(group["params"]):  # fail now, not at the first step: e.g. no master weights
             if p.requires_grad:
-                route_param(_local(p), group["master_weights"], i)
+                route_param(local_tensor(p), group["master_weights"], i)
         self._plans = {}
 
     def state_dict(self) -> dict:

@@ -3,7 +3,7 @@ tables, and the host work of every step.
 
 Routing (:func:`route_param`) reads the storage protocol of each parameter's LOCAL tensor, never
 its dtype alone. Parameters of one route and dtype share a :class:`Bucket`: one set of kernel tables
-(``tutorial_kernels.adam``), one launch per step. A :class:`Plan` holds the buckets of a group and is
+(``tutorial_kernels.adam_tables``), one launch per step. A :class:`Plan` holds the buckets of a group and is
 built once; per step it answers, each with a few ``map`` passes over the parameters with C-level
 callables (no Python bytecode per parameter: 30-100 ns each instead of ~1 us)::
 
@@ -15,10 +15,16 @@ callables (no Python bytecode per parameter: 30-100 ns each instead of ~1 us)::
     write_step_scalars()   every parameter at the same step: two Python floats as torch.optim.AdamW
                            computes them, two fill_ per bucket; else a per-tensor [2, n] table
 
-Measured on the 2x H200 host (2,000 plain parameters, unchanged grads, 2026-11-30): one pass costs
-52-87 us (``id``), 115-229 us (``data_ptr``), 146-275 us (``p.grad``); a whole ``step()`` 0.71-1.18 ms
-of host time in a fresh process (the kernel: ~0.7 ms), 1.0-2.0 ms in the processes of
-``benchmarks/bench_adam_fsdp2.py``, for plain and DTensor parameters alike.
+With thousands of small parameters the kernel is short and these passes are what a step costs on
+the host, for plain and DTensor parameters alike; ``benchmarks/bench_adam_fsdp2.py`` measures both
+(step latency, steps issued back to back, the host's share) and records them in
+``benchmarks/results/``.
+
+Example (FusedAdam builds one :class:`Plan` per param group; the routes are public)::
+
+    from tutorial_lib.optim.fused_adam_plan import route_param
+    route_param(torch.zeros(4), master_weights=False)                         # "fp32"
+    route_param(torch.zeros(4, dtype=torch.bfloat16), master_weights=True)   # "lowp_master"
 """
 
 from __future__ import annotations
@@ -30,12 +36,12 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor
-from tutorial_kernels.adam import AdamTables, build_tables, copy_to_device, raw_address, set_grads
+from tutorial_kernels.adam_tables import AdamTables, build_tables, copy_to_device, raw_address, set_grads
 
 from tutorial_lib.optim.adamw_reference import adam_step_scalars, adam_step_scalars_tensor
-from tutorial_lib.quant.tensor import is_quantized
+from tutorial_lib.quant.tensor import is_quantized, local_tensor
 
-__all__ = ["ROUTES", "MASTER_ROUTES", "Bucket", "Plan", "fused_fp8_format", "route_param", "local_tensor"]
+__all__ = ["ROUTES", "MASTER_ROUTES", "Bucket", "Plan", "fused_fp8_format", "route_param"]
 
 ROUTES = ("fp32", "lowp", "lowp_master", "fp8_fused", "requantize")
 MASTER_ROUTES = ("lowp_master", "fp8_fused", "requantize")
@@ -90,14 +96,10 @@ def route_param(local: torch.Tensor, master_weights: bool, index: int = 0) -> st
                     f"got {local.dtype}")
 
 
-def local_tensor(t):
-    """A DTensor's local shard; any other tensor as is."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 # The per-step host work is a few passes over the parameter list. Each is a ``map`` over a C-level
-# callable (no Python bytecode per parameter): 2,000 parameters cost ~40-200 us per pass on the 2-core CI
-# machine, where list comprehensions or a Python loop cost 1.8-7 ms per step.
+# callable (no Python bytecode per parameter: tens of ns each instead of ~1 us for a list comprehension
+# or a Python loop). local_tensor() (a function call and an isinstance per parameter) is used only
+# where it runs once per plan or on mixed plain/DTensor groups; the per-step passes use _LOCAL_TENSOR.
 _DATA_PTR = torch.Tensor.data_ptr
 _NUMEL = torch.Tensor.numel
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous

@@ -29,7 +29,8 @@ import math
 
 import torch
 
-from tutorial_lib.quant.tensor import Layout, QuantizedTensor, disallowed_view
+from tutorial_lib.quant.fallback import disallowed_view
+from tutorial_lib.quant.tensor import Layout, QuantizedTensor
 
 aten = torch.ops.aten
 

@@ -63,6 +63,7 @@ from tutorial_lib.quant.per_tensor import (
     quantize_per_tensor,
     scale_from_amax,
 )
+from tutorial_lib.quant.serialization import add_safe_global
 from tutorial_lib.quant.tensor import Layout, QuantizedTensor
 
 aten = torch.ops.aten
@@ -434,3 +435,7 @@ class DelayedScaling(_PerTensorQuantizer):
     def quantize_into(self, dst, x: torch.Tensor) -> None:
         bufs = self._check_dst(dst, x)
         self._write(bufs, self.cast(x, out=self._out(bufs, x)))
+
+
+add_safe_global(CurrentScaling)  # quantized tensors pickle their quantizer (torch.load(weights_only=True))
+add_safe_global(DelayedScaling)

@@ -110,16 +110,6 @@ def quantize_per_tensor(x: torch.Tensor, scale, fmt: str = "e4m3") -> torch.Tens
     return y.clamp(-spec.max, spec.max).to(spec.torch_dtype).view(torch.uint8).contiguous()
 
 
-def check_dequantize_args(data: torch.Tensor, fmt: str, dtype: torch.dtype) -> None:
-    """The argument rules every per-tensor dequantize (reference and kernel) enforces."""
-    if data.dtype != torch.uint8:
-        raise TypeError(f"data must be uint8 FP8 bytes, got {data.dtype}")
-    if fmt not in FP8_FORMATS:
-        raise ValueError(f"per-tensor FP8 format must be one of {FP8_FORMATS}, got {fmt!r}")
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"dequantize to one of {SUPPORTED_DTYPES}, got {dtype}")
-
-
 def dequantize_per_tensor(data: torch.Tensor, scale_inv: torch.Tensor | float, fmt: str = "e4m3",
                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``fp8(data) * scale_inv`` computed in fp32, then rounded (RNE) to ``dtype``."""

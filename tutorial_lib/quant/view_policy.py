@@ -48,12 +48,8 @@ from collections.abc import Iterator
 
 import torch
 
-from tutorial_lib.quant.tensor import (
-    QuantizedTensor,
-    QuantizedViewError,
-    local_tensor,
-    set_disallowed_view_handler,
-)
+from tutorial_lib.quant.fallback import QuantizedViewError, set_disallowed_view_handler
+from tutorial_lib.quant.tensor import QuantizedTensor, local_tensor
 
 __all__ = [
     "POLICIES",
@@ -173,12 +169,10 @@ def _handle_disallowed_view(t: QuantizedTensor, func, args, kwargs):
 
 
 def install_view_policy() -> None:
-    """Make this module decide disallowed views (done at import, and again by every context
-    manager and setter here, in case someone restored the base class's default handler)."""
+    """Make this module decide disallowed views. ``tutorial_lib.setup()`` calls it once (importing
+    ``tutorial_lib`` runs it); every context manager and setter here calls it again, in case someone
+    restored the base class's default handler."""
     set_disallowed_view_handler(_handle_disallowed_view)
-
-
-install_view_policy()
 
 
 # ----------------------------------------------------------------------------- raw-byte flat view
@@ -237,122 +231,3 @@ def flat_raw_bytes(t) -> RawBytes:
     raw = data.view(-1).as_subclass(RawBytes)
     raw.source = f"{type(t).__name__} {list(t.shape)} ({t.quant_layout.name})"
     return raw
-
-
-# ----------------------------------------------------------------------------- measurements (lesson 04)
-
-
-def fallback_view_costs(q: QuantizedTensor) -> dict:
-    """What the global warn-and-dequantize policy costs a caller that is not FSDP2.
-
-    Measured on ``q`` (left unchanged on return):
-
-    * ``write_reached_weight``: does ``q.view(-1).zero_()`` change ``q``? (a real view would)
-    * ``copy_max_rel_err``: the "view" holds values rounded to the nominal dtype, not the
-      weight's exact values (``dequantize(float32)``); relative to the tensor's amax
-    * ``round_trip_bytes_changed`` / ``round_trip_max_rel_change``: fraction of buffer bytes
-      (elements and scales) that change, and the largest change of a value relative to the amax,
-      after the no-op ``q.copy_(q.view(-1).view(q.shape))``
-    * ``copy_nbytes`` vs ``quantized_nbytes``: memory of the copy vs the weight itself
-    """
-    saved = {n: b.clone() for n, b in q.raw_buffers().items()}
-    exact = q.dequantize(torch.float32).reshape(-1)
-    with view_policy("warn_dequantize"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", QuantizedViewWarning)
-        v = q.view(-1)
-        v.zero_()
-        write_reached = not torch.equal(q.dequantize(torch.float32).reshape(-1), exact)
-        v = q.view(-1)
-        q.copy_(v.view(q.shape))
-    after = q.dequantize(torch.float32).reshape(-1)
-    bufs = q.raw_buffers()
-    n_changed = sum((bufs[n].reshape(-1).view(torch.uint8) != saved[n].reshape(-1).view(torch.uint8)).sum().item()
-                    for n in bufs)
-    n_bytes = sum(b.numel() * b.element_size() for b in saved.values())
-    for n, b in bufs.items():  # restore the weight
-        b.copy_(saved[n])
-    return {
-        "result_type": type(v).__name__,
-        "write_reached_weight": write_reached,
-        "copy_max_rel_err": ((v.double() - exact.double()).abs().max() / exact.abs().max()).item(),
-        "round_trip_bytes_changed": n_changed / n_bytes,
-        "round_trip_max_rel_change": ((after - exact).abs().max() / exact.abs().max()).item(),
-        "copy_nbytes": v.numel() * v.element_size(),
-        "quantized_nbytes": q.quantized_nbytes(),
-    }
-
-
-def _fsdp_params(module):
-    """FSDP2's per-parameter records (private API; name differs across torch versions)."""
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return [p for g in groups for p in g.fsdp_params]
-
-
-def fsdp2_flat_shard_report(fmt: str = "mxfp8 1x32", n_layers: int = 4, dim: int = 256,
-                            policies=("strict", "warn_dequantize", "scoped")) -> dict:
-    """Rank function (``launch`` it): ``fully_shard`` a stack of quantized Linear layers under each
-    view policy and measure what FSDP2 keeps in ``_sharded_param_data`` for every shard.
-
-    Per policy: ``{"error": str}`` if ``fully_shard`` raised, else ``{"layers": [...]}`` with, per
-    layer, ``flat_type``, ``quantized_bytes`` (the shard), ``extra_bytes`` (memory the flat shard
-    holds that does not alias the quantized bytes), ``stale`` (after the shard is requantized in
-    place, as an optimizer step does, does the flat shard still show the old weights?) and, on
-    CUDA, ``allocated_delta`` (``torch.cuda.memory_allocated`` growth across ``fully_shard``).
-    """
-    import torch.nn as nn
-    from torch.distributed.fsdp import fully_shard
-
-    from tutorial_lib.quant.block import make_quantizer
-    from tutorial_lib.dist.launcher import rank_device
-
-    dev = rank_device()
-    contexts = {"strict": contextlib.nullcontext, "warn_dequantize": lambda: view_policy("warn_dequantize"),
-                "scoped": allow_flat_views}
-    report = {}
-    for policy in policies:
-        torch.manual_seed(0)  # the same full weights on every rank; each keeps its own shard
-        model = nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(n_layers)]).to(dev)
-        for lin in model:
-            lin.weight = nn.Parameter(make_quantizer(fmt).quantize(lin.weight.detach().to(torch.bfloat16)))
-        cuda = dev.type == "cuda"
-        before = torch.cuda.memory_allocated(dev) if cuda else 0
-        try:
-            with contexts[policy](), warnings.catch_warnings():
-                warnings.simplefilter("ignore", QuantizedViewWarning)
-                for lin in model:
-                    fully_shard(lin)
-        except QuantizedViewError as exc:
-            report[policy] = {"error": str(exc)}
-            continue
-        delta = (torch.cuda.memory_allocated(dev) - before) if cuda else None
-        layers = []
-        for lin in model:
-            (fsdp_param,) = _fsdp_params(lin)
-            flat, local = fsdp_param._sharded_param_data, local_tensor(lin.weight)
-            data = local.raw_buffers()[local._buffer_names[0]]
-            alias = flat.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
-            old = flat.clone() if not alias else None
-            with torch.no_grad():  # an optimizer step: requantize the shard in place
-                local.copy_(local.dequantize(torch.float32) * 0.5 + 0.01)
-            if alias:
-                stale = not torch.equal(flat.as_subclass(torch.Tensor), data.reshape(-1))
-            else:
-                stale = torch.equal(flat, old) and not torch.equal(
-                    flat[: local.numel()].float(), local.dequantize(torch.float32).reshape(-1))
-            layers.append({
-                "flat_type": f"{type(flat).__name__} {str(flat.dtype).replace('torch.', '')}",
-                "quantized_bytes": local.quantized_nbytes(),
-                "extra_bytes": 0 if alias else flat.numel() * flat.element_size(),
-                "stale": stale,
-            })
-        report[policy] = {"layers": layers, "allocated_delta": delta}
-    return report
-
-
-def fsdp2_flat_shard_reports(fmts=("mxfp8 1x32",), n_layers: int = 4, dim: int = 256) -> dict:
-    """:func:`fsdp2_flat_shard_report` for several formats in one launch: ``{fmt: report}``."""
-    return {fmt: fsdp2_flat_shard_report(fmt, n_layers, dim) for fmt in fmts}

@@ -1,0 +1,59 @@
+"""Rank functions that only the launcher's tests launch: a killed rank, a hang, where a rank lives.
+
+Spawned ranks import a rank function by its module name, so this module must be importable in
+them. pytest puts this folder on ``sys.path`` (``rootdir``-style import of a test folder without
+``__init__.py``) before it imports ``test_launcher.py``, and ``spawn`` hands the parent's ``sys.path``
+to every child; a script started in a fresh interpreter adds :data:`HERE` to ``sys.path`` itself.
+
+Example::
+
+    import rank_functions as rf                      # from a test in tests/dist
+    launch(rf.die_on_rank, world_size=2, device="cpu", args=(0,))   # RankFailed naming SIGKILL
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+"""The folder to put on ``sys.path`` to import this module as ``rank_functions``."""
+
+
+@dataclasses.dataclass
+class RankIdentity:
+    """Where one rank lives: used to prove that launches are isolated."""
+
+    rank: int
+    pid: int
+    port: int  # the rendezvous port (MASTER_PORT)
+    tmpdir: str  # this rank's temp dir
+    threads: int  # torch's intra-op thread count
+
+
+def rank_identity() -> RankIdentity:
+    """This rank's pid, rendezvous port, temp dir and thread count."""
+    return RankIdentity(rank=dist.get_rank(), pid=os.getpid(), port=int(os.environ["MASTER_PORT"]),
+                        tmpdir=tempfile.gettempdir(), threads=torch.get_num_threads())
+
+
+def die_on_rank(bad_rank: int) -> int:
+    """Rank ``bad_rank`` is killed by SIGKILL (no Python traceback), the others wait in a barrier."""
+    if dist.get_rank() == bad_rank:
+        print(f"rank {bad_rank} kills itself, pid {os.getpid()}")
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+    return os.getpid()
+
+
+def report_pid_then_hang(pid_dir: str, seconds: float = 3600.0) -> None:
+    """Write this rank's pid into ``pid_dir`` and hang, so a test can check every rank is reaped."""
+    with open(os.path.join(pid_dir, f"{dist.get_rank()}.pid"), "w") as fh:
+        fh.write(str(os.getpid()))
+    time.sleep(seconds)

@@ -1,0 +1,54 @@
+"""Lesson 03's experiment (tutorial_lib.lessons.block_scaled_formats): test weights and the error per format."""
+
+import pytest
+import torch
+
+from tutorial_lib.lessons.block_scaled_formats import QuantizationError, quantization_error, sample_weights
+from tutorial_lib.quant.registry import BLOCK_FORMAT_NAMES
+
+SHAPE = (256, 512)
+BITS = {  # element bits + scale bits per element (+ a 32-bit global scale for NVFP4)
+    "fp8": 8 + 32 / (256 * 512),
+    "mxfp8": 8 + 8 / 32,
+    "fp8_1x128": 8 + 32 / 128,
+    "fp8_128x128": 8 + 32 / (128 * 128),
+    "nvfp4_1x16": 4 + 8 / 16 + 32 / (256 * 512),
+    "nvfp4_16x16": 4 + 8 / 256 + 32 / (256 * 512),
+}
+
+
+def test_sample_weights_kinds():
+    g = sample_weights("gaussian", SHAPE, seed=1)
+    assert g.shape == SHAPE and g.dtype == torch.float32 and abs(g.std().item() - 0.02) < 1e-3
+    assert torch.equal(g, sample_weights("gaussian", SHAPE, seed=1))
+    out = sample_weights("outliers", SHAPE, seed=1, outlier_scale=1e3)
+    big = out.abs() > 0.02 * 50
+    assert 0 < big.float().mean().item() < 3e-3  # ~0.1% scattered outliers
+    ch = sample_weights("channel_outliers", SHAPE, seed=1)
+    assert ch[::64].abs().mean() > 50 * ch[1::64].abs().mean()
+    with pytest.raises(ValueError, match="kind must be"):
+        sample_weights("uniform", SHAPE)
+
+
+@pytest.mark.parametrize("name", ("fp8",) + BLOCK_FORMAT_NAMES)
+def test_quantization_error_measures_bits_and_error(name):
+    err = quantization_error(name, sample_weights("gaussian", SHAPE, seed=2))
+    assert isinstance(err, QuantizationError)
+    assert err.bits_per_element == pytest.approx(BITS[name], rel=1e-12)
+    fp4 = name.startswith("nvfp4")
+    assert 0 < err.median_rel_err < (0.25 if fp4 else 2.0**-4)  # half an ULP: E2M1 2**-2, E4M3 2**-4
+    assert 0 <= err.flushed < (0.2 if fp4 else 1e-3) and 0 < err.rel_rmse < (0.2 if fp4 else 0.05)
+
+
+def test_outliers_flush_a_per_tensor_scale_but_not_small_blocks():
+    w = sample_weights("outliers", SHAPE, seed=3, outlier_scale=1e4)
+    per_tensor, mx, b128 = (quantization_error(n, w) for n in ("fp8", "mxfp8", "fp8_1x128"))
+    assert per_tensor.flushed > 10 * mx.flushed and per_tensor.flushed > 10 * b128.flushed
+
+
+def test_options_reach_the_quantizer():
+    w = sample_weights("gaussian", SHAPE, seed=2)
+    floor, rceil = quantization_error("mxfp8", w), quantization_error("mxfp8", w, rounding="rceil")
+    assert rceil.rel_rmse < floor.rel_rmse  # rceil never saturates a block's largest value
+    with pytest.raises(ValueError, match="unknown format"):
+        quantization_error("mxfp8 1x32", w)

@@ -1,0 +1,79 @@
+"""Lesson 06's module and notebook keep to the lesson contract, checked without launching ranks.
+
+The rank functions themselves run in tests/dist/test_fsdp2.py and tests/dist/test_quantized_init.py
+(they drive the FSDP2 hooks and the quantized init); here: every rank function returns a documented,
+picklable dataclass, and the lesson uses only public library names.
+"""
+
+import ast
+import dataclasses
+import inspect
+import pickle
+import re
+import typing
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from tutorial_lib.lessons import fsdp2_quantized_init as lesson
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOK = ROOT / "notebooks" / "06_fsdp2_quantized_init.ipynb"
+RANK_FUNCTIONS = ["allgather_demo", "init_memory_demo", "pitfall_demo", "train_compare", "allgather_benchmark"]
+RESULT_TYPES = [obj for _, obj in inspect.getmembers(lesson, inspect.isclass)
+                if dataclasses.is_dataclass(obj) and obj.__module__ == lesson.__name__]
+
+
+@pytest.mark.parametrize("name", RANK_FUNCTIONS)
+def test_rank_functions_return_a_result_dataclass(name):
+    ret = typing.get_type_hints(getattr(lesson, name))["return"]
+    assert ret in RESULT_TYPES, f"{name} returns {ret}, not one of the module's result dataclasses"
+
+
+@pytest.mark.parametrize("cls", RESULT_TYPES, ids=lambda c: c.__name__)
+def test_every_result_field_is_documented(cls):
+    assert cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("), f"{cls.__name__} has no docstring"
+    lines, _ = inspect.getsourcelines(cls)
+    for f in dataclasses.fields(cls):
+        line = next(line for line in lines if re.match(rf"\s+{f.name}: ", line))
+        assert re.search(r"#\s*\S", line), f"{cls.__name__}.{f.name} has no comment saying what it holds"
+
+
+def test_results_pickle_as_module_level_types():
+    check = lesson.UnshardCheck(buffers_equal=True, values_equal=False, max_abs_err=1.0, max_abs=2.0)
+    case = lesson.ScaleCase(share_scales=False, scale_inv=0.5, unshard=check, verify="ok")
+    res = lesson.PitfallResult(rank=1, per_shard_scales=case, shared_scales=case, post_all_gather_copy="x",
+                               post_all_gather_alias="ok")
+    assert pickle.loads(pickle.dumps(res)) == res
+    variant = lesson.InitVariant(label="bf16, meta init", peak=1, resident=2)
+    mem = lesson.InitMemoryResult(rank=0, params=3, bf16_built_whole=variant, bf16_meta_init=variant,
+                                  quantized_meta_init=variant, quantized_meta_init_hp_kept=variant)
+    assert pickle.loads(pickle.dumps(mem)).variants == (variant,) * 4
+
+
+def _private_library_uses(tree: ast.AST) -> list[str]:
+    """``alias._name`` on a name imported from the library, or ``from tutorial_lib... import _name`` (dunders
+    such as ``__torch_dispatch__`` are protocol, not private)."""
+    modules = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+               and (node.module or "").startswith("tutorial_lib") for a in node.names}
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tutorial_lib"):
+            hits += [f"from {node.module} import {a.name}" for a in node.names if a.name.startswith("_")]
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+              and node.attr.startswith("_") and not node.attr.endswith("__")):
+            hits.append(f"{node.value.id}.{node.attr}")
+    return hits
+
+
+def test_the_lesson_module_uses_public_library_names_only():
+    assert _private_library_uses(ast.parse(inspect.getsource(lesson))) == []
+
+
+def test_the_notebook_uses_public_names_only():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert _private_library_uses(ast.parse(code)) == []
+    shown = re.findall(r"getsource\(([\w.]+)\)", code)
+    assert shown and not [s for s in shown if s.rsplit(".", 1)[-1].startswith("_")], shown

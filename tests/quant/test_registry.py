@@ -1,0 +1,59 @@
+"""The one format registry: every name builds its tensor class, round-trips values within the
+format's bound, and bad names or options fail with a message naming the choices."""
+
+import pytest
+import torch
+
+from tutorial_lib.quant.registry import (
+    BLOCK_FORMAT_NAMES,
+    FORMAT_NAMES,
+    get_format_info,
+    make_quantizer,
+    recipe,
+)
+from tutorial_lib.quant.tensor import QuantizedTensor
+
+# Relative error bound per element of a well-scaled Gaussian weight: half an ulp of the element format
+# (E4M3: 2**-4; E2M1: 2**-1 near the top of a block), plus the scale's own rounding for NVFP4 (E4M3 scales).
+REL_RMS_BOUND = {"fp8": 2.0**-4, "fp8_delayed": 2.0**-4, "mxfp8": 2.0**-4, "fp8_1x128": 2.0**-4,
+                 "fp8_128x128": 2.0**-4, "nvfp4_1x16": 0.25, "nvfp4_16x16": 0.25}
+
+
+def test_names_are_unique_and_block_names_a_subset():
+    assert len(set(FORMAT_NAMES)) == len(FORMAT_NAMES)
+    assert set(BLOCK_FORMAT_NAMES) < set(FORMAT_NAMES)
+    assert set(REL_RMS_BOUND) == set(FORMAT_NAMES), "every format has a derived error bound in this test"
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_each_format_builds_its_class_and_round_trips(name):
+    info = get_format_info(name)
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(7)) * 0.02
+    q = make_quantizer(name).quantize(w)
+    assert isinstance(q, QuantizedTensor) and type(q) is info.tensor_class
+    assert q.shape == w.shape and q.dtype == w.dtype
+    err = (q.dequantize(torch.float32) - w).norm() / w.norm()
+    assert 0 < err.item() < REL_RMS_BOUND[name], f"{name}: relative RMS error {err.item():.3g}"
+    if name in BLOCK_FORMAT_NAMES:
+        assert info.tensor_class.quant_layout.block == info.tensor_class.block, "the block is stated once"
+
+
+def test_shared_scale_flag_matches_the_quantizers():
+    for name in FORMAT_NAMES:
+        q = make_quantizer(name)
+        assert get_format_info(name).shared_scale == hasattr(q, "group"), name
+
+
+def test_recipe_gives_every_parameter_a_new_quantizer():
+    rec = recipe("fp8", pow2=True)
+    a, b = rec("a.weight", None), rec("b.weight", None)
+    assert a is not b and a.pow2 and b.pow2
+
+
+def test_bad_names_and_options_fail_clearly():
+    with pytest.raises(ValueError, match="unknown format 'mxfp8 1x32'; known formats: .*'mxfp8'"):
+        make_quantizer("mxfp8 1x32")
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        recipe("mxfp8", rounding="up")
+    with pytest.raises(TypeError):
+        make_quantizer("fp8_1x128", block=(1, 64))  # the block is the format's, not an option
