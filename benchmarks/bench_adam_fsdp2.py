@@ -47,6 +47,9 @@ def main(argv=None) -> None:
                         help="tiny sizes (2 CPU ranks without 2 GPUs), results to a temp dir")
     args = parser.parse_args(argv)
     two_gpus = torch.cuda.device_count() >= 2
+    if args.quick and torch.cuda.device_count() == 1:
+        raise SystemExit("--quick needs 2 GPUs, or none: CPU ranks run FusedAdam in Triton's interpreter, which is "
+                         "only chosen when no GPU is visible (run with CUDA_VISIBLE_DEVICES= for the CPU smoke run)")
     if args.quick:  # tiny sizes; on 2 GPUs when there are 2 (CPU tensors need the Triton interpreter)
         device, n_params, numel, optimizers = "cuda" if two_gpus else "cpu", 20, 64, ("torch", "fused")
         out = args.out or tempfile.mkdtemp(prefix="bench-adam-fsdp2-")

@@ -6,7 +6,8 @@ The sub-packages read as the course's table of contents, bottom layer first::
     tutorial_lib.harness self-checks, the papermill runner, timing and benchmark results
     tutorial_lib.quant   number formats, the quantized-tensor protocol, per-tensor FP8, MXFP8,
                          FP8 blockwise, NVFP4, the view policy and the one format registry
-    tutorial_lib.models  counter-based (shard-exact) init, BlockMLP, a dequantize-on-use linear layer
+    tutorial_lib.matmul  scaled FP8 GEMMs and their layout rules, float64 references, the FP8 linear layer
+    tutorial_lib.models  counter-based (shard-exact) init, BlockMLP (dequantize-on-use or FP8-GEMM linears)
     tutorial_lib.dist    launcher and mesh, FSDP2 all-gather hooks, quantized init, checkpointing
     tutorial_lib.optim   the AdamW reference and FusedAdam (Triton)
     tutorial_lib.lessons one module per lesson: its rank functions and experiments (nothing imports it)
@@ -55,6 +56,8 @@ from tutorial_lib.dist.runtime import environment_report, resolve_device
 from tutorial_lib.dist.training_state import TrainingState, init_optimizer_state
 from tutorial_lib.harness.bench import bench_ms, track_peak_memory
 from tutorial_lib.harness.checks import check, check_close, check_equal
+from tutorial_lib.matmul.fp8_linear import Fp8Linear, Fp8Recipe, fp8_linear, swap_linears
+from tutorial_lib.matmul.scaled_mm import FP8LayoutError, blockwise_mm, emulated_mm, fp8_mm
 from tutorial_lib.models import BlockMLP, QLinear, counter_uniform
 from tutorial_lib.optim.adamw_reference import adamw_reference_step_
 from tutorial_lib.optim.fused_adam import FusedAdam
@@ -111,6 +114,8 @@ __all__ = [
     "make_quantizer", "quantize_per_tensor", "recipe", "scale_from_amax", "view_policy",
     # quant: what happens to ops without a quantized handler
     "FALLBACKS", "REQUANTIZES", "QuantizedFallbackError", "QuantizedViewError", "fallback_mode", "strict_dispatch",
+    # matmul: scaled FP8 GEMMs and the FP8 linear layer
+    "FP8LayoutError", "Fp8Linear", "Fp8Recipe", "blockwise_mm", "emulated_mm", "fp8_linear", "fp8_mm", "swap_linears",
     # models
     "BlockMLP", "QLinear", "counter_uniform",
     # dist: launching, meshes, FSDP2, quantized init, checkpoints

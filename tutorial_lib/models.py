@@ -49,6 +49,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tutorial_lib.matmul.fp8_linear import Fp8Linear, Fp8Recipe
 from tutorial_lib.quant.tensor import QuantizedTensor, is_quantized, local_tensor
 
 __all__ = [
@@ -309,14 +310,25 @@ class _SeededModule(nn.Module):
         reset_parameters_(self, self.init_seed)
 
 
-class MLPBlock(nn.Module):
-    """Pre-norm residual MLP block: ``x + fc2(gelu(fc1(norm(x))))`` (the unit FSDP2 shards)."""
+def _linear(in_features: int, out_features: int, bias: bool, dtype, fp8: Fp8Recipe | str | None) -> nn.Linear:
+    """``QLinear`` (dequantize-on-use, the default) or, with an FP8 recipe, an ``Fp8Linear`` (FP8 GEMMs)."""
+    if fp8 is None:
+        return QLinear(in_features, out_features, bias=bias, dtype=dtype)
+    return Fp8Linear(in_features, out_features, bias=bias, dtype=dtype, recipe=fp8)
 
-    def __init__(self, dim: int, hidden: int, bias: bool = True, dtype: torch.dtype | None = None):
+
+class MLPBlock(nn.Module):
+    """Pre-norm residual MLP block: ``x + fc2(gelu(fc1(norm(x))))`` (the unit FSDP2 shards).
+
+    ``fp8`` (None, "hybrid", "blockwise" or a ``tutorial_lib.matmul.fp8_linear.Fp8Recipe``): None keeps
+    the dequantize-on-use ``QLinear``; a recipe makes ``fc1``/``fc2`` ``Fp8Linear`` s (same parameters)."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool = True, dtype: torch.dtype | None = None,
+                 fp8: Fp8Recipe | str | None = None):
         super().__init__()
         self.norm = nn.LayerNorm(dim, dtype=dtype)
-        self.fc1 = QLinear(dim, hidden, bias=bias, dtype=dtype)
-        self.fc2 = QLinear(hidden, dim, bias=bias, dtype=dtype)
+        self.fc1 = _linear(dim, hidden, bias, dtype, fp8)
+        self.fc2 = _linear(hidden, dim, bias, dtype, fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
@@ -326,13 +338,15 @@ class BlockMLP(_SeededModule):
     """``n_blocks`` :class:`MLPBlock` s and a final LayerNorm; initialised from ``seed`` unless on meta.
 
     Parameter names (the init keys): ``blocks.<i>.{norm,fc1,fc2}.{weight,bias}``, ``norm_out.*``.
+    ``fp8=None`` (default): dequantize-on-use linears; ``fp8="hybrid"`` / ``"blockwise"`` / an
+    ``Fp8Recipe``: FP8-GEMM linears (lesson 08), same parameters and init.
     """
 
     def __init__(self, dim: int = 64, hidden: int = 256, n_blocks: int = 2, *, seed: int = 0, bias: bool = True,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, fp8: Fp8Recipe | str | None = None):
         super().__init__(seed)
         self.dim, self.hidden = dim, hidden
-        self.blocks = nn.ModuleList(MLPBlock(dim, hidden, bias, dtype) for _ in range(n_blocks))
+        self.blocks = nn.ModuleList(MLPBlock(dim, hidden, bias, dtype, fp8) for _ in range(n_blocks))
         self.norm_out = nn.LayerNorm(dim, dtype=dtype)
         self._init_if_materialised()
 

@@ -353,7 +353,8 @@ def results_markdown(results_dir: str | Path) -> str:
     if not newest:
         return "_No GPU benchmark has been recorded yet._"
     lines = [
-        "| benchmark | case | ours (ms) | best peer (ms) | ours vs peer | fraction of copy | machine, versions, date |",
+        "| benchmark | case | ours (ms) | best peer (ms) | ours vs peer | fraction of copy (GEMMs: TFLOPS) "
+        "| machine, versions, date |",
         "|---|---|---:|---:|---:|---:|---|",
     ]
     for stem, doc in sorted(newest.items()):
@@ -367,6 +368,8 @@ def results_markdown(results_dir: str | Path) -> str:
                 peer, ratio = "-", "-"
             frac = c.get("fraction_of_copy")
             frac_s = f"{frac:.0%}" if isinstance(frac, (int, float)) else "-"
+            if isinstance(c.get("tflops"), (int, float)):  # a GEMM: compute-bound, so throughput, not bandwidth
+                frac_s = f"{c['tflops']:.0f} TFLOPS"
             lines.append(f"| {stem} | {_case_label(c)} | {c['ours_ms']:.3f} | {peer} | {ratio} | {frac_s} | {where} |")
     return "\n".join(lines)
 
@@ -379,6 +382,8 @@ def _case_label(c: dict) -> str:
         ratios = c.get(key, {}).get("FusedAdam")
         if ratios:
             label += f"; FusedAdam DTensor/plain per rank, {what}: {ratios}"
+    if c.get("peers_tflops"):  # GEMM peers may compute another recipe (per-tensor vs blockwise): name them all
+        label += "; peers TFLOPS: " + ", ".join(f"{k} {v:.0f}" for k, v in c["peers_tflops"].items())
     return label
 
 

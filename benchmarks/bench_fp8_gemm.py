@@ -1,0 +1,197 @@
+"""Benchmark: our Triton FP8 blockwise GEMM vs cuBLAS bf16, per-tensor FP8 and torch's blockwise scaled_mm.
+
+``out [M, N] = a [M, K] @ b [N, K].T`` with the DeepSeek-V3 scaling (a: one fp32 scale per 1x128
+block, b: one per 128x128 tile), ``tutorial_kernels.fp8_gemm.blockwise_fp8_gemm``. Peers, measured
+in the same run and timed in alternating order (round by round, so drift hits all alike):
+
+    bf16 cuBLAS            x_bf16 @ w_bf16.T                       the unquantized baseline
+    per-tensor FP8         torch._scaled_mm, E4M3, fast accum.      one scale per tensor: the ceiling
+                                                                    of FP8 tensor-core throughput
+    torch blockwise        torch.nn.functional.scaled_mm with      the same recipe as ours (and the
+                           BlockWise1x128 x BlockWise128x128       same with use_fast_accum=True)
+
+Before timing, ours and torch's blockwise results are checked against THE float64 reference
+(``tutorial_lib.matmul.reference.blockwise_fp8_gemm_reference``, on a slice of rows) within the
+derived error bound; the largest ``|err| / bound`` is recorded. Each case records ``ours_ms``,
+``peers`` (ms), ``tflops`` (ours, 2 M N K / time) and ``peers_tflops``; ``bytes`` is the minimum
+traffic (FP8 operands + scales read, bf16 output written). Targets: >= 90% of torch's blockwise
+throughput and >= 1.4x bf16 cuBLAS.
+
+Run on a GPU (results into benchmarks/results/)::
+
+    python benchmarks/bench_fp8_gemm.py
+    python benchmarks/bench_fp8_gemm.py --sweep     # also time every tuning config of the kernel
+    python benchmarks/bench_fp8_gemm.py --quick     # tiny shapes, CPU ok (interpreter), temp dir
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+
+import torch
+import tutorial_kernels.fp8_gemm as k  # first: sets TRITON_INTERPRET=1 on a CPU-only machine
+
+from tutorial_lib.harness.bench import bench_ms, benchmark_device, case, copy_bandwidth_GBps, turn_order, write_results
+from tutorial_lib.matmul.reference import (
+    FP8_TENSOR_CORE_UNIT_ROUNDOFF,
+    FP32_UNIT_ROUNDOFF,
+    blockwise_fp8_gemm_reference,
+    dequantize_blockwise_f64,
+    gemm_error_bound,
+)
+from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
+from tutorial_lib.quant.per_tensor import cast_current_scaling
+
+SHAPES = [(8192, 8192, 8192), (16384, 4096, 16384), (8192, 16384, 4096)]  # M, N, K
+QUICK_SHAPES = [(48, 256, 256)]
+CHECK_ROWS = 256  # rows of the output checked against the float64 reference
+
+OURS = "triton blockwise (ours)"
+BF16 = "bf16 cuBLAS"
+PER_TENSOR = "torch._scaled_mm per-tensor e4m3 fast-accum"
+TORCH_BLOCKWISE = "torch scaled_mm blockwise 1x128 x 128x128"
+TORCH_BLOCKWISE_FAST = "torch scaled_mm blockwise 1x128 x 128x128 fast-accum"
+
+
+def torch_blockwise_mm(a, sa, b, sb, out_dtype=torch.bfloat16, use_fast_accum=False):
+    """torch's FP8 blockwise GEMM on our buffers: scale_a [M, K/128] column-major (strides (1, M)),
+    mat_b = b.T [K, N] column-major, scale_b = sb.T [K/128, N/128] (strides (1, K/128)); the scales
+    are dequantization multipliers (our ``scale_inv``), as torch's ``scaled_mm`` expects."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    sa_cm = sa.t().contiguous().t()
+    return scaled_mm(a.view(torch.float8_e4m3fn), b.view(torch.float8_e4m3fn).t(), sa_cm, ScalingType.BlockWise1x128,
+                     sb.t(), ScalingType.BlockWise128x128, output_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+
+def _inputs(M, N, K, device, seed):
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(M, K, generator=g, device=device)
+    x[:, :: 977] *= 50.0  # activation outlier channels: what blockwise scaling is for
+    w = torch.randn(N, K, generator=g, device=device) * 0.02
+    return x.to(torch.bfloat16), w.to(torch.bfloat16)
+
+
+def _max_err_over_bound(out, a, sa, b, sb, inner_u) -> float:
+    rows = min(CHECK_ROWS, a.shape[0])
+    a, sa = a[:rows], sa[:rows]
+    ref = blockwise_fp8_gemm_reference(a, sa, b, sb, out_dtype=torch.float64)
+    bound = gemm_error_bound(dequantize_blockwise_f64(a, sa, (1, 128)).abs(),
+                             dequantize_blockwise_f64(b, sb, (128, 128)).abs(), a.shape[1], block_k=128,
+                             inner_unit_roundoff=inner_u, out_dtype=out.dtype, reference=ref)
+    return float(((out[:rows].double() - ref).abs() / bound).max())
+
+
+def _config_name(c: dict) -> str:
+    name = f"{c['BLOCK_M']}x{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']}"
+    if c["USE_TMA"]:
+        name += " tma"
+    if c["PERSISTENT"]:
+        name += f" persistent x{c['OCCUPANCY']}/SM"
+    return name + f" group {c['GROUP_M']}"
+
+
+def sweep_configs() -> list[dict]:
+    """Every config of the kernel (the autotuner's and the slower ones kept for coverage), as ``config=`` dicts."""
+    return [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in k.tuning_configs(True)]
+
+
+def run_shape(M, N, K, device, copy, rounds, sweep) -> dict:
+    x, w = _inputs(M, N, K, device, seed=M + N + K)
+    a, sa = quantize_fp8_blockwise(x, (1, 128))
+    b, sb = quantize_fp8_blockwise(w, (128, 128))
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=device)
+    cuda = device.type == "cuda"
+    inner_u = FP8_TENSOR_CORE_UNIT_ROUNDOFF if cuda else FP32_UNIT_ROUNDOFF
+
+    fns = {OURS: lambda: k.blockwise_fp8_gemm(a, sa, b, sb, out=out)}
+    fns[OURS]()  # autotune outside the timing
+    checks = {"ours_max_err_over_bound": _max_err_over_bound(out, a, sa, b, sb, inner_u)}
+    if checks["ours_max_err_over_bound"] > 1:
+        raise AssertionError(f"{M}x{N}x{K}: our GEMM exceeds the error bound ({checks})")
+    fns[BF16] = lambda: x @ w.t()
+    errors = {}
+    pt_x, pt_w = cast_current_scaling(x, "e4m3"), cast_current_scaling(w, "e4m3")
+    try:
+        fp8_x, fp8_wt = pt_x.data.view(torch.float8_e4m3fn), pt_w.data.view(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+        torch._scaled_mm(fp8_x, fp8_wt, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
+        fns[PER_TENSOR] = lambda: torch._scaled_mm(fp8_x, fp8_wt, scale_a=pt_x.scale_inv, scale_b=pt_w.scale_inv,
+                                                   out_dtype=torch.bfloat16, use_fast_accum=True)
+    except (RuntimeError, ValueError, NotImplementedError, ImportError) as exc:
+        errors[PER_TENSOR] = str(exc).splitlines()[0][:200]
+    try:
+        theirs = torch_blockwise_mm(a, sa, b, sb)
+        checks["torch_blockwise_max_err_over_bound"] = _max_err_over_bound(theirs, a, sa, b, sb, inner_u)
+        fns[TORCH_BLOCKWISE] = lambda: torch_blockwise_mm(a, sa, b, sb)
+    except (RuntimeError, ValueError, NotImplementedError, ImportError) as exc:
+        errors[TORCH_BLOCKWISE] = str(exc).splitlines()[0][:200]
+    if TORCH_BLOCKWISE in fns:
+        try:
+            fast = torch_blockwise_mm(a, sa, b, sb, use_fast_accum=True)
+            checks["torch_blockwise_fast_max_err_over_bound"] = _max_err_over_bound(fast, a, sa, b, sb, inner_u)
+            fns[TORCH_BLOCKWISE_FAST] = lambda: torch_blockwise_mm(a, sa, b, sb, use_fast_accum=True)
+        except (RuntimeError, ValueError, NotImplementedError) as exc:
+            errors[TORCH_BLOCKWISE_FAST] = str(exc).splitlines()[0][:200]
+
+    times = {name: [] for name in fns}
+    for r in range(rounds):  # alternate, so drift between moments hits every variant alike
+        for name in turn_order(fns, r):
+            times[name].append(bench_ms(fns[name]))
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    flop = 2 * M * N * K
+    tflops = {name: round(flop / (v * 1e-3) / 1e12, 1) for name, v in ms.items()}
+    nbytes = M * K + N * K + 4 * (M * K // 128 + (N // 128) * (K // 128)) + 2 * M * N
+    c = case(f"{M}x{N}x{K} (MxNxK) bf16 out", ms[OURS], peers={n: v for n, v in ms.items() if n != OURS},
+             nbytes=nbytes, copy_GBps=copy)
+    c.update({"M": M, "N": N, "K": K, "tflops": tflops[OURS],
+              "peers_tflops": {n: v for n, v in tflops.items() if n != OURS}, "rounds_ms": times, **checks})
+    best = getattr(k._tuned_kernel, "best_config", None)
+    if cuda and best is not None:
+        c["config"] = _config_name({**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages})
+    if errors:
+        c["peer_errors"] = errors
+    if TORCH_BLOCKWISE in ms:
+        c["ours_over_torch_blockwise_throughput"] = round(ms[TORCH_BLOCKWISE] / ms[OURS], 3)
+    c["ours_over_bf16_throughput"] = round(ms[BF16] / ms[OURS], 3)
+    if sweep:
+        c["sweep_ms"] = {}
+        for cfg in sweep_configs():
+            name = _config_name(cfg)
+            try:
+                c["sweep_ms"][name] = round(bench_ms(lambda cfg=cfg: k.blockwise_fp8_gemm(a, sa, b, sb, out=out,
+                                                                                          config=cfg)), 4)
+            except Exception as exc:  # a config that does not compile or fit is a result, not a crash
+                c["sweep_ms"][name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    print(f"{c['name']:32s} ours {ms[OURS]:.3f} ms {tflops[OURS]:7.1f} TFLOPS  peers "
+          + ", ".join(f"{n} {ms[n]:.3f} ms {tflops[n]:.1f}" for n in ms if n != OURS)
+          + f"  {c.get('config', '')}  checks {checks}", flush=True)
+    if sweep:
+        print("  sweep:", c["sweep_ms"], flush=True)
+    return c
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny shapes; runs on CPU in the Triton interpreter")
+    p.add_argument("--sweep", action="store_true", help="also time every tuning config of our kernel")
+    p.add_argument("--rounds", type=int, default=None, help="alternating timing rounds (default 3, --quick 1)")
+    p.add_argument("--out", default=None, help="results directory (default benchmarks/results; --quick: a temp dir)")
+    args = p.parse_args()
+    device = benchmark_device(args.quick)
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    rounds = args.rounds or (1 if args.quick else 3)
+    out = args.out or (tempfile.mkdtemp(prefix="bench_fp8_gemm-") if args.quick else "benchmarks/results")
+    copy = copy_bandwidth_GBps(device)
+    print(f"FP8 blockwise GEMM on {device}; copy {copy:.0f} GB/s", flush=True)
+    sweep = args.sweep and device.type == "cuda"  # the interpreter's timings say nothing about configs
+    cases = [run_shape(M, N, K, device, copy, rounds, sweep) for M, N, K in shapes]
+    path = write_results(out, "fp8_gemm", cases, copy, extra={"quick": args.quick, "out_dtype": "bfloat16",
+                                                              "recipe": "e4m3, a 1x128, b 128x128, fp32 scales"})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

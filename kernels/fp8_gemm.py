@@ -1,0 +1,348 @@
+"""FP8 blockwise GEMM in Triton: ``out = a @ b.T`` with a scale per 1x128 block of ``a`` and 128x128 tile of ``b``.
+
+The DeepSeek-V3 recipe. Activations ``a`` [M, K] carry one fp32 dequantization multiplier
+(``scale_inv``) per row and 128 elements of K; the weight ``b`` [N, K] (``nn.Linear`` layout) one
+per 128x128 tile. Tested against THE float64 reference,
+``tutorial_lib.matmul.reference.blockwise_fp8_gemm_reference``, within the error bound derived
+there (``gemm_error_bound``); the quantizer that makes the operands is
+``tutorial_lib.quant.blockwise.quantize_fp8_blockwise``.
+
+One program computes one [BLOCK_M, BLOCK_N] tile of ``out``. BLOCK_K = 128 = the scale block, so
+each step of the K loop is ONE FP8 ``tl.dot`` of a block, rescaled and added to an fp32
+accumulator::
+
+                      K ->  kb=0      kb=1      kb=2            b [N, K] (row-major, K contiguous)
+                          +---------+---------+---------+       BLOCK_N rows = one 128-row tile
+                          |  b_0    |  b_1    |  b_2    |  <--  (or two, BLOCK_N = 256): ONE scale
+                          +---------+---------+---------+       sb[kb] per k-block (two with 256)
+         a [M, K]
+    +---------+---------+---------+     acc = 0                                   (fp32 registers)
+    |  a_0    |  a_1    |  a_2    |     for kb:
+    +---------+---------+---------+         d   = tl.dot(a_kb, b_kb.T)            FP8 x FP8 -> fp32
+    BLOCK_M rows, a scale sa[m, kb]         acc += d * sa[:, kb, None] * sb[kb]    promote + rescale
+    per row and k-block                 out = acc.to(bf16)
+
+Why a scale per block tolerates outliers: a per-tensor scale is set by the largest |x| of the
+whole tensor, so one outlier pushes every other value toward E4M3's subnormals (or to zero). Here
+an outlier only coarsens the 128 values of its own block; every other block keeps its own scale
+and full 3-bit mantissa resolution. The price is that the scales differ from block to block, so
+they cannot be pulled out of the K sum: the dot must stop every 128 elements and multiply its
+partial sum by that block's scales -- which is also what protects the sum from the FP8 tensor
+cores' low-precision in-MMA accumulation (``FP8_TENSOR_CORE_UNIT_ROUNDOFF`` in the reference
+module): no chain of tensor-core additions is longer than 128 products.
+
+Compiled (GPU): the uint8 codes are passed as ``torch.float8_e4m3fn`` views, so the tiles load as
+FP8 and feed ``tl.dot`` (wgmma on sm_90) directly; the B tile [BLOCK_N, 128] is K-contiguous,
+which is the operand layout FP8 MMAs want. Tiles are visited in grouped order (GROUP_M rows of
+tiles share B tiles in L2), loads go through TMA tensor descriptors (``USE_TMA``; pointer loads,
+``cp.async``, remain as a variant) and ``triton.autotune`` picks a config per (M, N, K).
+
+What limits it, and why the winning config is small: Triton waits for a dot to finish
+(``wgmma.wait_group 0``) before any instruction may read its result, so within one program the
+promotion ``acc += d * s`` never overlaps tensor-core work -- the tensor cores idle while it runs
+(issuing the next block's dot first does not help: the wait follows the dot, and ptxas serializes
+wgmmas whose results are read while another is in flight). The overlap has to come from a SECOND
+program on the same SM: a 64 x 128 tile in one warpgroup needs ~165 registers per thread and ~96 KB
+of shared memory for 4 stages, so two persistent programs (``PERSISTENT``, ``OCCUPANCY=2``) share
+each SM and one's promotion runs under the other's MMAs. Bigger tiles (128 x 128 in two
+warpgroups, 128 x 256) hold two fp32 [tile] arrays (accumulator + dot result) and fit only once
+per SM (or spill). ``benchmarks/bench_fp8_gemm.py --sweep`` times every variant.
+
+Interpreter (CPU): Triton's interpreter gets low-precision ``tl.dot`` wrong, so there the codes
+are decoded to fp32 (``tutorial_kernels.fp8_round.decode_fp8``, exact) and multiplied with an fp32
+``ieee`` dot; one small fixed config.
+
+Shape rules (ValueError naming the rule otherwise): uint8 codes and fp32 scales, ``K % 128 == 0``,
+``N % 128 == 0``, ``a_scale_inv`` [M, K/128] and ``b_scale_inv`` [N/128, K/128] (any strides),
+``a`` and ``b`` row-major contiguous; M is arbitrary (ragged rows are masked).
+
+Example::
+
+    from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
+    from tutorial_kernels.fp8_gemm import blockwise_fp8_gemm
+    a, sa = quantize_fp8_blockwise(x, (1, 128))          # x [M, K] activations
+    b, sb = quantize_fp8_blockwise(w, (128, 128))        # w [N, K], the nn.Linear weight
+    y = blockwise_fp8_gemm(a, sa, b, sb)                 # bf16 [M, N] ~= x @ w.T
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+from tutorial_kernels import interpreted
+from tutorial_kernels.fp8_round import decode_fp8, to_bf16
+
+__all__ = ["SCALE_BLOCK", "OUT_DTYPES", "check_blockwise_gemm_operands", "blockwise_fp8_gemm", "default_config",
+           "tuning_configs"]
+
+SCALE_BLOCK = 128
+"""Elements per scale along K, and rows per weight tile: also the kernel's BLOCK_K."""
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+@triton.jit
+def _grouped_tile(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile index -> (pid_m, pid_n), GROUP_M tile-rows at a time: consecutive programs share B tiles."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = N // BLOCK_N
+    in_group = GROUP_M * num_n
+    first_m = (tile // in_group) * GROUP_M
+    group_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % in_group) % group_m
+    pid_n = (tile % in_group) // group_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _load_tile(ptrs, desc, row0, kb, USE_TMA: tl.constexpr):
+    """The [rows, 128] FP8 tile of k-block ``kb`` (rows from ``row0``): TMA or pointer load."""
+    if USE_TMA:
+        return desc.load([row0, kb * 128])
+    else:
+        return tl.load(ptrs + kb * 128)
+
+
+@triton.jit
+def _block_dot(a, b, INTERPRETED: tl.constexpr):
+    """fp32 [rows of a, rows of b] = a @ b.T of one 128-wide k-block."""
+    if INTERPRETED:  # uint8 codes: decode exactly, multiply in fp32
+        return tl.dot(decode_fp8(a, "e4m3"), tl.trans(decode_fp8(b, "e4m3")), input_precision="ieee")
+    else:  # FP8 tiles straight into the tensor cores, fp32 result
+        return tl.dot(a, tl.trans(b))
+
+
+@triton.jit
+def _store_tile(c_ptr, acc, rows, cols, M, N, OUT_BF16: tl.constexpr):
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    if OUT_BF16:
+        c = to_bf16(acc)  # round to nearest even on both backends
+    else:
+        c = acc.to(c_ptr.dtype.element_ty)
+    tl.store(c_ptrs, c, mask=(rows < M)[:, None])
+
+
+@triton.jit
+def _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, K,
+               s_am, s_ak, s_bn, s_bk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+               USE_TMA: tl.constexpr, INTERPRETED: tl.constexpr, OUT_BF16: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of out. BLOCK_N = 256 is two 128-wide halves (two weight tiles), each
+    with its own dot, scale and accumulator: a [BLOCK_M, 128] dot result is all that is ever live next
+    to the accumulators."""
+    HALF: tl.constexpr = BLOCK_N if BLOCK_N < 128 else 128
+    pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_M)
+    cols = col0 + tl.arange(0, HALF)
+    rows_ld = tl.minimum(rows, M - 1)  # ragged last tile: re-read row M-1 (never stored), no load masks
+    ks = tl.arange(0, 128)
+    a_ptrs = a_ptr + rows_ld.to(tl.int64)[:, None] * K + ks[None, :]
+    b_ptrs = b_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
+    sa_ptrs = sa_ptr + rows_ld * s_am
+    sb_ptr0 = sb_ptr + (col0 // 128) * s_bn  # the tile (or its first half) lies in ONE weight tile
+    acc = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+    if BLOCK_N == 256:
+        acc1 = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
+    for kb in range(0, K // 128):
+        a = _load_tile(a_ptrs, a_desc, row0, kb, USE_TMA)
+        sa = tl.load(sa_ptrs + kb * s_ak)
+        b = _load_tile(b_ptrs, b_desc, col0, kb, USE_TMA)
+        sb = tl.load(sb_ptr0 + kb * s_bk)
+        acc += _block_dot(a, b, INTERPRETED) * (sa * sb)[:, None]  # promote: rescale, add in fp32
+        if BLOCK_N == 256:
+            b1 = _load_tile(b_ptrs + 128 * K, b_desc, col0 + 128, kb, USE_TMA)
+            sb1 = tl.load(sb_ptr0 + s_bn + kb * s_bk)
+            acc1 += _block_dot(a, b1, INTERPRETED) * (sa * sb1)[:, None]
+    _store_tile(c_ptr, acc, rows, cols, M, N, OUT_BF16)
+    if BLOCK_N == 256:
+        _store_tile(c_ptr, acc1, rows, cols + 128, M, N, OUT_BF16)
+
+
+@triton.jit
+def _blockwise_fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, s_am, s_ak, s_bn, s_bk,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+                               USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, OCCUPANCY: tl.constexpr,
+                               INTERPRETED: tl.constexpr, OUT_BF16: tl.constexpr):
+    """Non-persistent: program i computes tile i. PERSISTENT: OCCUPANCY programs per SM (the launcher sizes
+    the grid from it; the kernel only strides by the grid) each walk the tiles."""
+    if USE_TMA:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
+                                         block_shape=[BLOCK_M, 128])
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[K, 1],
+                                         block_shape=[BLOCK_N if BLOCK_N < 128 else 128, 128])
+    else:
+        a_desc = a_ptr
+        b_desc = b_ptr
+    if PERSISTENT:
+        num_tiles = tl.cdiv(M, BLOCK_M) * (N // BLOCK_N)
+        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, K, s_am, s_ak, s_bn, s_bk,
+                       BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16)
+    else:
+        _gemm_tile(tl.program_id(0), a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, K,
+                   s_am, s_ak, s_bn, s_bk, BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16)
+
+
+# --------------------------------------------------------------------------- configs
+
+_TUNED = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA, PERSISTENT, OCCUPANCY, GROUP_M)
+    (64, 128, 4, 4, True, True, 2, 8), (64, 128, 4, 4, True, True, 2, 16), (64, 128, 4, 3, True, True, 2, 8),
+    (64, 128, 4, 3, True, False, 1, 8), (128, 128, 8, 4, True, True, 1, 8), (128, 128, 8, 4, True, False, 1, 8),
+]
+_COVERAGE = [  # slower variants, kept compiled, swept by the benchmark and tested on GPUs
+    (128, 128, 8, 5, True, True, 1, 8), (64, 128, 4, 3, True, True, 3, 8), (128, 128, 8, 4, False, False, 1, 8),
+    (64, 128, 4, 4, False, True, 2, 8), (128, 256, 8, 3, True, False, 1, 8), (128, 256, 8, 3, True, True, 1, 8),
+]
+
+
+def _config(bm, bn, warps, stages, tma, persistent=False, occupancy=1, group_m=8) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": group_m, "USE_TMA": tma,
+                          "PERSISTENT": persistent, "OCCUPANCY": occupancy}, num_warps=warps, num_stages=stages)
+
+
+def tuning_configs(all_variants: bool = False) -> list[triton.Config]:
+    """The compiled configs ``triton.autotune`` chooses from (keyed on M, N, K); ``all_variants`` adds
+    the slower ones that benchmarks sweep and GPU tests cover (pointer loads, 128 x 256 tiles)."""
+    return [_config(*c) for c in _TUNED + (_COVERAGE if all_variants else [])]
+
+
+def default_config() -> dict:
+    """The one fixed config of the interpreter (small tiles: ~ms per program), as ``config=`` takes it."""
+    return {"BLOCK_M": 32, "BLOCK_N": 128, "GROUP_M": 4, "USE_TMA": False, "PERSISTENT": False,
+            "OCCUPANCY": 1, "num_warps": 4, "num_stages": 1}
+
+
+def _prune(configs, named_args, **kwargs):
+    """Drop tiles wider than N or not dividing it, and row tiles far taller than M (keep one at least)."""
+    M, N = named_args["M"], named_args["N"]
+    ok = [c for c in configs if N % c.kwargs["BLOCK_N"] == 0]
+    small = [c for c in ok if c.kwargs["BLOCK_M"] <= max(64, triton.next_power_of_2(M))]
+    return small or ok
+
+
+_tuned_kernel = triton.autotune(configs=tuning_configs(), key=["M", "N", "K"],
+                                prune_configs_by={"early_config_prune": _prune})(_blockwise_fp8_gemm_kernel)
+
+
+# --------------------------------------------------------------------------- launcher
+
+
+def check_blockwise_gemm_operands(a_data, a_scale_inv, b_data, b_scale_inv) -> tuple[int, int, int]:
+    """Validate FP8 blockwise GEMM operands' dtypes and shapes; return ``(M, N, K)``.
+
+    ValueError naming the broken rule: uint8 codes, fp32 scales, equal K, ``K % 128 == 0``,
+    ``N % 128 == 0``, scale shapes ``[M, K/128]`` and ``[N/128, K/128]``. Layout is not checked
+    here (the torch reference takes any); :func:`blockwise_fp8_gemm` also wants contiguous codes.
+
+    Example::
+
+        M, N, K = check_blockwise_gemm_operands(a, sa, b, sb)
+    """
+    for name, t in (("a_data", a_data), ("b_data", b_data)):
+        if t.dtype != torch.uint8 or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-d uint8 tensor of E4M3 codes, got {t.dtype} {tuple(t.shape)}")
+    (M, K), (N, Kb) = a_data.shape, b_data.shape
+    if K != Kb:
+        raise ValueError(f"a_data [M, K] = {tuple(a_data.shape)} and b_data [N, K] = {tuple(b_data.shape)} "
+                         "disagree on K (the weight is stored [out, in], like nn.Linear)")
+    if K % SCALE_BLOCK:
+        raise ValueError(f"K = {K} is not a multiple of {SCALE_BLOCK}: the 1x{SCALE_BLOCK} activation blocks and "
+                         f"{SCALE_BLOCK}x{SCALE_BLOCK} weight tiles must tile K; pad K")
+    if N % SCALE_BLOCK:
+        raise ValueError(f"N = {N} is not a multiple of {SCALE_BLOCK}: the {SCALE_BLOCK}x{SCALE_BLOCK} weight "
+                         "tiles must tile N; pad the weight's output dim")
+    for name, s, shape, what in (("a_scale_inv", a_scale_inv, (M, K // SCALE_BLOCK), "1x128 block of a"),
+                                 ("b_scale_inv", b_scale_inv, (N // SCALE_BLOCK, K // SCALE_BLOCK),
+                                  "128x128 tile of b")):
+        if s.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32 (one dequantization multiplier per {what}), got {s.dtype}")
+        if tuple(s.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (one scale per {what}), got {tuple(s.shape)}")
+    return M, N, K
+
+
+def _check_layout(a_data, a_scale_inv, b_data, b_scale_inv, out_dtype, out, M, N) -> None:
+    for name, t in (("a_data", a_data), ("b_data", b_data)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be row-major contiguous ([rows, K], K contiguous), got strides "
+                             f"{t.stride()}; call .contiguous()")
+    devices = {t.device for t in (a_data, a_scale_inv, b_data, b_scale_inv)}
+    if len(devices) != 1:
+        raise ValueError(f"all operands must be on one device, got {sorted(map(str, devices))}")
+    if not (a_data.is_cuda or interpreted()):
+        raise ValueError(f"Triton kernels run on CUDA tensors (or under TRITON_INTERPRET=1), got {a_data.device}")
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    if out is not None and (out.shape != (M, N) or out.dtype != out_dtype or out.device != a_data.device
+                            or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {out_dtype} tensor of shape {(M, N)} on {a_data.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device} (contiguous={out.is_contiguous()})")
+
+
+def _tma_scratch(size: int, alignment: int, stream):
+    """Global scratch for device-side TMA descriptors (``triton.set_allocator``)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+_num_sms: dict[int, int] = {}
+
+
+def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: torch.Tensor,
+                       b_scale_inv: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
+                       out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """``out [M, N] = (a * sa) @ (b * sb).T``: FP8 blockwise GEMM, fp32 accumulation, one dot per 128-block of K.
+
+    a_data uint8 E4M3 codes [M, K] (row-major), a_scale_inv fp32 [M, K/128]; b_data uint8 E4M3
+    codes [N, K] (row-major, ``nn.Linear`` layout), b_scale_inv fp32 [N/128, K/128]; scales are
+    dequantization multipliers (what ``quantize_fp8_blockwise`` returns), any strides. The result
+    is rounded to ``out_dtype`` (bf16, fp16 or fp32) once, at the end; ``out`` may be given.
+    ``config`` (keys BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, PERSISTENT, OCCUPANCY -- programs per SM of
+    a persistent launch --, num_warps, num_stages) skips the autotuner: benchmarks and tests use it
+    to pin one variant.
+
+    Example::
+
+        y = blockwise_fp8_gemm(a, sa, b, sb)                                  # bf16, autotuned
+        y = blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32,
+                               config=dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, USE_TMA=True, PERSISTENT=True,
+                                           OCCUPANCY=2, num_warps=4, num_stages=4))
+    """
+    M, N, K = check_blockwise_gemm_operands(a_data, a_scale_inv, b_data, b_scale_inv)
+    _check_layout(a_data, a_scale_inv, b_data, b_scale_inv, out_dtype, out, M, N)
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype, device=a_data.device)
+    if M == 0:
+        return out
+    interp = interpreted()
+    if interp:
+        config = config or default_config()
+        a, b = a_data, b_data  # uint8: decoded in the kernel
+    else:
+        a, b = a_data.view(torch.float8_e4m3fn), b_data.view(torch.float8_e4m3fn)
+        triton.set_allocator(_tma_scratch)
+    dev = a_data.device.index if a_data.is_cuda else -1
+    if dev not in _num_sms:
+        _num_sms[dev] = torch.cuda.get_device_properties(dev).multi_processor_count if a_data.is_cuda else 4
+    num_sms = _num_sms[dev]
+    args = (a, a_scale_inv, b, b_scale_inv, out, M, N, K, a_scale_inv.stride(0), a_scale_inv.stride(1),
+            b_scale_inv.stride(0), b_scale_inv.stride(1))
+    flags = {"INTERPRETED": interp, "OUT_BF16": out_dtype == torch.bfloat16}
+
+    def grid(meta):
+        tiles = triton.cdiv(M, meta["BLOCK_M"]) * (N // meta["BLOCK_N"])
+        return (min(tiles, num_sms * meta["OCCUPANCY"]) if meta["PERSISTENT"] else tiles,)
+
+    if config is not None and N % config["BLOCK_N"]:
+        raise ValueError(f"config BLOCK_N = {config['BLOCK_N']} does not divide N = {N}")
+    with torch.cuda.device(a_data.device) if a_data.is_cuda else contextlib.nullcontext():
+        if config is None:
+            _tuned_kernel[grid](*args, **flags)
+        else:
+            _blockwise_fp8_gemm_kernel[grid](*args, **flags, **config)
+    return out

@@ -1,0 +1,277 @@
+"""Triton FP8 blockwise GEMM vs THE float64 reference, within the derived error bound (not a tolerance).
+
+On a CPU machine the kernel runs in Triton's interpreter (FP8 codes decoded exactly, fp32 dot:
+the bound uses fp32's unit roundoff inside each 128-block); with CUDA the same tests run the
+compiled kernel (FP8 tensor cores: the bound uses ``FP8_TENSOR_CORE_UNIT_ROUNDOFF`` inside a block),
+and the GPU-only tests pin every tuning config and compare with torch's blockwise ``scaled_mm``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import tutorial_kernels  # noqa: F401  (first: on CPU it sets TRITON_INTERPRET=1 before triton is imported)
+
+# isort: split
+from tutorial_kernels.fp8_gemm import blockwise_fp8_gemm, default_config, tuning_configs
+
+from tutorial_lib.matmul.reference import (
+    FP8_TENSOR_CORE_UNIT_ROUNDOFF,
+    FP32_UNIT_ROUNDOFF,
+    blockwise_fp8_gemm_reference,
+    dequantize_blockwise_f64,
+    gemm_error_bound,
+)
+from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+INNER_U = FP8_TENSOR_CORE_UNIT_ROUNDOFF if DEV == "cuda" else FP32_UNIT_ROUNDOFF
+gpu = pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
+# On a GPU the shape tests pin one config (every distinct shape would otherwise autotune, i.e. compile
+# and time every config); the autotuner and every config get their own tests below.
+CFG = None if DEV == "cpu" else {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "USE_TMA": True, "PERSISTENT": False,
+                                  "OCCUPANCY": 1, "num_warps": 8, "num_stages": 4}
+
+
+def _operands(M, N, K, seed, outliers=False):
+    """Quantized activations [M, K] (1x128 blocks) and weight [N, K] (128x128 tiles) on DEV."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g)
+    w = torch.randn(N, K, generator=g) * 0.05
+    if outliers:  # rows over 40 binades, outlier channels, one huge weight tile, a zero block
+        x = x * torch.exp2(torch.randint(-20, 20, (M, 1), generator=g).float())
+        x[:, 5::131] *= 1e3
+        w[:128, 128:256] *= 1e4
+        x[0, :128] = 0.0
+    a, sa = quantize_fp8_blockwise(x.to(DEV), (1, 128))
+    b, sb = quantize_fp8_blockwise(w.to(DEV), (128, 128))
+    return a, sa, b, sb
+
+
+def _check(out, a, sa, b, sb, inner_u=INNER_U) -> float:
+    """Assert |out - ref| <= bound elementwise; return max |err| / bound (for the failure message and prints)."""
+    ref = blockwise_fp8_gemm_reference(a, sa, b, sb, out_dtype=torch.float64)
+    bound = gemm_error_bound(dequantize_blockwise_f64(a, sa, (1, 128)).abs(),
+                             dequantize_blockwise_f64(b, sb, (128, 128)).abs(), a.shape[1], block_k=128,
+                             inner_unit_roundoff=inner_u, out_dtype=out.dtype, reference=ref)
+    err = (out.double() - ref).abs()
+    ratio = float((err / bound).max())
+    assert out.shape == ref.shape and bool((err <= bound).all()), f"max |err| / bound = {ratio:.3g}"
+    return ratio
+
+
+# --------------------------------------------------------------------------- against the reference
+
+
+@pytest.mark.parametrize("M, N, K, seed", [
+    (70, 256, 384, 11),  # ragged M: the last row tile is masked
+    (1, 128, 128, 12),   # one row, one k-block
+    (33, 384, 256, 13),  # three weight tiles along N
+    (128, 128, 512, 14),
+])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference_within_bound(M, N, K, seed, out_dtype):
+    a, sa, b, sb = _operands(M, N, K, seed + (out_dtype == torch.float32) * 100)
+    out = blockwise_fp8_gemm(a, sa, b, sb, out_dtype=out_dtype, config=CFG)
+    assert out.dtype == out_dtype
+    print(f"{M}x{N}x{K} {out_dtype}: max |err| / bound = {_check(out, a, sa, b, sb):.3g}")
+
+
+@pytest.mark.parametrize("seed", [21, 22])
+def test_outlier_heavy_inputs_within_bound(seed):
+    a, sa, b, sb = _operands(96, 256, 512, seed, outliers=True)
+    assert float(sa.max() / sa[sa > 0].min()) > 2.0**30  # the scales really span many binades
+    out = blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32, config=CFG)
+    print(f"outliers: max |err| / bound = {_check(out, a, sa, b, sb):.3g}")
+
+
+def test_fp16_output_within_bound():
+    a, sa, b, sb = _operands(40, 128, 256, 31)
+    _check(blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float16, config=CFG), a, sa, b, sb)
+
+
+def test_exact_block_sums_leave_only_the_fp32_promotion_error():
+    """Integer FP8 values in [-4, 4]: every partial sum of a block is an integer below 2**11, exact in
+    any accumulator keeping 13 fraction bits (tensor cores) or 24 (fp32). So the inner unit
+    roundoff is 0 and the bound is the fp32 promotion alone -- ~(K/128 + 1) * 2**-24 relative, tight
+    enough to catch a wrong scale index, a dropped block or a misplaced tile on both backends."""
+    g = torch.Generator().manual_seed(41)
+    M, N, K = 80, 256, 512
+    a = torch.randint(-4, 5, (M, K), generator=g).float().to(torch.float8_e4m3fn).view(torch.uint8)
+    b = torch.randint(-4, 5, (N, K), generator=g).float().to(torch.float8_e4m3fn).view(torch.uint8)
+    sa = torch.exp(torch.randn(M, K // 128, generator=g))  # arbitrary fp32 scales, not powers of two
+    sb = torch.exp(torch.randn(N // 128, K // 128, generator=g))
+    a, sa, b, sb = (t.to(DEV) for t in (a, sa, b, sb))
+    ratio = _check(blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32, config=CFG), a, sa, b, sb, inner_u=0.0)
+    print(f"exact block sums: max |err| / bound = {ratio:.3g}")
+
+
+def test_nan_block_poisons_only_its_rows():
+    x = torch.randn(20, 256)
+    x[3, 200] = float("nan")  # quantizes to a NaN scale and NaN codes in block (3, 1)
+    a, sa = quantize_fp8_blockwise(x.to(DEV), (1, 128))
+    b, sb = quantize_fp8_blockwise(torch.randn(128, 256).to(DEV), (128, 128))
+    out = blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32, config=CFG)
+    assert out[3].isnan().all()
+    keep = torch.arange(20, device=DEV) != 3
+    _check(out[keep], a[keep], sa[keep], b, sb)
+
+
+def test_out_argument_and_empty_m():
+    a, sa, b, sb = _operands(16, 128, 128, 51)
+    out = torch.full((16, 128), 7.0, dtype=torch.bfloat16, device=DEV)
+    assert blockwise_fp8_gemm(a, sa, b, sb, out=out, config=CFG) is out
+    _check(out, a, sa, b, sb)
+    empty = blockwise_fp8_gemm(a[:0], sa[:0], b, sb)
+    assert empty.shape == (0, 128) and empty.dtype == torch.bfloat16
+
+
+def test_scale_strides_are_honoured():
+    """Column-major scales (torch's scaled_mm convention) give the same result as row-major ones."""
+    a, sa, b, sb = _operands(40, 256, 384, 61)
+    row = blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32, config=CFG)
+    col = blockwise_fp8_gemm(a, sa.t().contiguous().t(), b, sb.t().contiguous().t(), out_dtype=torch.float32,
+                             config=CFG)
+    assert torch.equal(row, col)
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="on a GPU test_every_config_within_bound covers every variant")
+@pytest.mark.parametrize("variant", [{"BLOCK_N": 256}, {"PERSISTENT": True, "OCCUPANCY": 2}],
+                         ids=["block_n_256", "persistent"])
+def test_kernel_variants_in_the_interpreter(variant):
+    a, sa, b, sb = _operands(70, 512, 384, 91, outliers=True)
+    _check(blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32, config={**default_config(), **variant}),
+           a, sa, b, sb)
+
+
+# --------------------------------------------------------------------------- argument errors
+
+
+def _good(M=8, N=128, K=256):
+    a = torch.zeros(M, K, dtype=torch.uint8, device=DEV)
+    b = torch.zeros(N, K, dtype=torch.uint8, device=DEV)
+    return a, torch.ones(M, K // 128, device=DEV), b, torch.ones(N // 128, K // 128, device=DEV)
+
+
+@pytest.mark.parametrize("break_it, match", [
+    (lambda a, sa, b, sb: (a[:, :200].contiguous(), torch.ones(8, 1, device=DEV), b[:, :200].contiguous(),
+                           torch.ones(1, 1, device=DEV)), "K = 200 is not a multiple of 128"),
+    (lambda a, sa, b, sb: (a, sa, b[:100].contiguous(), sb), "N = 100 is not a multiple of 128"),
+    (lambda a, sa, b, sb: (a, sa, b[:, :128].contiguous(), sb), "disagree on K"),
+    (lambda a, sa, b, sb: (a.view(torch.float8_e4m3fn), sa, b, sb), "a_data must be a 2-d uint8"),
+    (lambda a, sa, b, sb: (a, sa, b.to(torch.int8), sb), "b_data must be a 2-d uint8"),
+    (lambda a, sa, b, sb: (a, sa.half(), b, sb), "a_scale_inv must be float32"),
+    (lambda a, sa, b, sb: (a, sa, b, sb.double()), "b_scale_inv must be float32"),
+    (lambda a, sa, b, sb: (a, sa[:, :1], b, sb), r"a_scale_inv must have shape \(8, 2\)"),
+    (lambda a, sa, b, sb: (a, sa, b, sb.t()), r"b_scale_inv must have shape \(1, 2\)"),
+    (lambda a, sa, b, sb: (torch.zeros(256, 8, dtype=torch.uint8, device=DEV).t(), sa, b, sb), "row-major"),
+])
+def test_bad_operands_raise_naming_the_rule(break_it, match):
+    with pytest.raises(ValueError, match=match):
+        blockwise_fp8_gemm(*break_it(*_good()))
+
+
+def test_bad_out_and_out_dtype_raise():
+    args = _good()
+    with pytest.raises(ValueError, match="out_dtype must be one of"):
+        blockwise_fp8_gemm(*args, out_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        blockwise_fp8_gemm(*args, out=torch.empty(8, 128, device=DEV))  # fp32 out for a bf16 result
+    with pytest.raises(ValueError, match="config BLOCK_N = 256 does not divide N = 128"):
+        blockwise_fp8_gemm(*args, config={**default_config(), "BLOCK_N": 256})
+
+
+# --------------------------------------------------------------------------- compiled code
+
+
+_AOT = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import tutorial_kernels.fp8_gemm as k
+
+sig = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32", "c_ptr": "*bf16",
+       "M": "i32", "N": "i32", "K": "i32", "s_am": "i32", "s_ak": "i32", "s_bn": "i32", "s_bk": "i32"}
+out = {}
+for tma in (False, True):
+    consts = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "USE_TMA": tma, "PERSISTENT": False, "OCCUPANCY": 1,
+              "INTERPRETED": False, "OUT_BF16": True}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*") or n in "NK"}
+    src = ASTSource(fn=k._blockwise_fp8_gemm_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
+                    constexprs=consts, attrs=attrs)
+    out["tma" if tma else "pointers"] = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                                       options={"num_warps": 8, "num_stages": 4}).asm["ptx"]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="on a GPU the tests above run the compiled kernel itself")
+def test_compiled_kernel_uses_fp8_tensor_cores(compile_ptx):
+    """CPU CI never compiles the kernel; compile it for sm_90 and check the dot is an FP8 wgmma
+    (E4M3 x E4M3 -> fp32, 4 instructions of k = 32 per 128-block) and the TMA variant uses TMA."""
+    ptx = compile_ptx(_AOT, timeout=300)
+    for name, code in ptx.items():
+        assert code.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 4, name
+    assert "cp.async.bulk.tensor" in ptx["tma"] and "cp.async.bulk.tensor" not in ptx["pointers"]
+
+
+# --------------------------------------------------------------------------- GPU only
+
+
+@gpu
+@pytest.mark.parametrize("cfg", [
+    {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in tuning_configs(all_variants=True)
+], ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}{'tma' * c['USE_TMA']}"
+                 f"{'P' + str(c['OCCUPANCY']) if c['PERSISTENT'] else ''}g{c['GROUP_M']}")
+def test_every_config_within_bound(cfg):
+    # M = 304: ragged for every BLOCK_M; M, N, K/128 multiples of 16 and bf16 out: the same compiled
+    # specialization as the benchmark's shapes (Triton specializes integer arguments on % 16)
+    a, sa, b, sb = _operands(304, 512, 2048, 71, outliers=True)
+    _check(blockwise_fp8_gemm(a, sa, b, sb, config=cfg), a, sa, b, sb)
+
+
+@gpu
+def test_autotuned_within_bound():
+    a, sa, b, sb = _operands(304, 512, 2048, 72)
+    _check(blockwise_fp8_gemm(a, sa, b, sb), a, sa, b, sb)
+
+
+def _torch_blockwise(a, sa, b, sb, out_dtype=torch.float32):
+    """torch's blockwise scaled_mm on our buffers: scale_a [M, K/128] column-major, mat_b = b.T [K, N],
+    scale_b = sb.T [K/128, N/128] (strides (1, K/128)); scales are dequantization multipliers."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    return scaled_mm(a.view(torch.float8_e4m3fn), b.view(torch.float8_e4m3fn).t(), sa.t().contiguous().t(),
+                     ScalingType.BlockWise1x128, sb.t(), ScalingType.BlockWise128x128, output_dtype=out_dtype)
+
+
+@gpu
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_torch_blockwise_scaled_mm_agrees(out_dtype):
+    """torch's blockwise scaled_mm takes DEQUANTIZATION multipliers (our scale_inv): with them it meets
+    the reference's bound, with their reciprocals it is far off; ours and torch's agree within the sum
+    of both bounds (they differ only in accumulation order)."""
+    pytest.importorskip("torch.nn.functional", reason="needs torch.nn.functional.scaled_mm")
+    from torch.nn import functional
+
+    if not hasattr(functional, "scaled_mm"):
+        pytest.skip("this torch has no torch.nn.functional.scaled_mm")
+    a, sa, b, sb = _operands(256, 384, 1024, 81, outliers=True)
+    try:
+        theirs = _torch_blockwise(a, sa, b, sb, out_dtype)
+    except (RuntimeError, ValueError) as exc:
+        if out_dtype == torch.float32:
+            pytest.skip(f"torch blockwise scaled_mm has no fp32 output here: {exc}")
+        raise
+    r_theirs = _check(theirs, a, sa, b, sb)
+    ours = blockwise_fp8_gemm(a, sa, b, sb, out_dtype=out_dtype, config=CFG)
+    r_ours = _check(ours, a, sa, b, sb)
+    ref = blockwise_fp8_gemm_reference(a, sa, b, sb, out_dtype=torch.float64)
+    bound = gemm_error_bound(dequantize_blockwise_f64(a, sa, (1, 128)).abs(),
+                             dequantize_blockwise_f64(b, sb, (128, 128)).abs(), 1024, block_k=128,
+                             inner_unit_roundoff=INNER_U, out_dtype=out_dtype, reference=ref)
+    assert bool(((ours.double() - theirs.double()).abs() <= 2 * bound).all())
+    wrong = _torch_blockwise(a, 1 / sa, b, 1 / sb, out_dtype)
+    assert float((wrong.double() - ref).abs().max()) > 1e3 * float(bound.max())
+    print(f"torch blockwise {out_dtype}: max |err| / bound: torch {r_theirs:.3g}, ours {r_ours:.3g}")

@@ -1,0 +1,268 @@
+"""The FP8 linear layer (``tutorial_lib.matmul.fp8_linear``): numerics within derived bounds, no dequantize of
+an FP8 weight, the saved-input option, the model switch, and FSDP2 training equal to one process bit for bit.
+
+The bounds (``_quant_err`` and ``_product_bound`` below). The layer computes ``Q(a) @ Q(b)`` where the
+exact value is ``a @ b`` (a, b the high-precision operands; the reference is float64). Per element,
+round-to-nearest into an FP8 format with scale ``s`` (``x / s`` lands in the format's range) errs by
+
+    |Q(x) - x| <= u |x| + t s =: E(x)        E4M3: u = 2**-4 (3 mantissa bits), t = 2**-10 (half the
+                                             subnormal step 2**-9); E5M2: u = 2**-3, t = 2**-17
+
+(u gets 2**-22 more for the fp32 products x * scale and 1 / scale). Per-tensor current scaling has
+``s = amax / max`` (max = 448 E4M3, 57344 E5M2); a block's ``s`` is at most that of its tensor, so the
+tensor's ``s`` bounds every block's ``t s`` term. Then, for each output element, over the reduction
+index k (K features for fprop and dgrad, M tokens for wgrad)::
+
+    |Q(a) Q(b) - a b| <= E(a) |b| + |a| E(b) + E(a) E(b)                       (per product, exact algebra)
+    |out - a @ b| <= E(a) @ |b| + |a| @ E(b) + E(a) @ E(b)                     quantization
+                   + gemm_error_bound(|a| + E(a), |b| + E(b), K, ...)         the FP8 GEMM (reference module)
+                   + u_out (|a @ b| + the above)                              bias add / output rounding
+
+``gemm_error_bound`` accumulates in fp32 on CPU (``2**-24``) and with the FP8 tensor-core model on a GPU
+(``FP8_TENSOR_CORE_UNIT_ROUNDOFF``), over the whole reduction (hybrid) or per 128-block (blockwise).
+The bias gradient is a high-precision column sum: ``gamma(M, u_dtype) * sum |dy|``.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from tutorial_lib.dist.launcher import launch, run_sequence
+from tutorial_lib.lessons.fp8_matmuls import step_breakdown, train_compare_fp8
+from tutorial_lib.matmul import reference as R
+from tutorial_lib.matmul.fp8_linear import Fp8Linear, Fp8Recipe, fp8_linear, swap_linears
+from tutorial_lib.matmul.scaled_mm import GEMM_CALLS, FP8LayoutError, fp8_tensor_cores
+from tutorial_lib.models import BlockMLP, QLinear, counter_uniform
+from tutorial_lib.quant.blockwise import FP8BlockwiseTensor
+from tutorial_lib.quant.fallback import FALLBACKS, reset_counters, strict_dispatch
+from tutorial_lib.quant.float8 import CurrentScaling, Float8Tensor
+from tutorial_lib.quant.registry import make_quantizer
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+E4M3, E5M2 = (2.0**-4 + 2.0**-22, 2.0**-10, 448.0), (2.0**-3 + 2.0**-22, 2.0**-17, 57344.0)
+SHAPES = {"hybrid": (2, 16, 64, 48), "blockwise": (2, 64, 256, 128)}  # (batch, seq, in_features, out_features)
+U_OUT = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
+
+
+def _quant_err(x: torch.Tensor, fmt) -> torch.Tensor:
+    """E(x) = u |x| + t s in float64, with s the per-tensor scale amax / max (bounds every block's scale)."""
+    u, t, fmax = fmt
+    x = x.double()
+    return u * x.abs() + t * float(x.abs().max()) / fmax
+
+
+def _product_bound(a, fmt_a, b, fmt_b, *, block_k, device, out_dtype, ref) -> torch.Tensor:
+    """Bound on |Q(a) @ Q(b).T - a @ b.T| (a [M, K], b [N, K]), see the module docstring."""
+    ea, eb = _quant_err(a, fmt_a), _quant_err(b, fmt_b)
+    aa, ba = a.double().abs(), b.double().abs()
+    quant = ea @ ba.T + aa @ eb.T + ea @ eb.T
+    inner = R.FP8_TENSOR_CORE_UNIT_ROUNDOFF if (device != "cpu" and fp8_tensor_cores(device)) \
+        else R.FP32_UNIT_ROUNDOFF
+    gemm = R.gemm_error_bound(aa + ea, ba + eb, a.shape[1], block_k=block_k, inner_unit_roundoff=inner,
+                              out_dtype=out_dtype, reference=ref)
+    e = quant + gemm
+    return e + U_OUT[out_dtype] * (ref.abs() + e)  # the bias add (fprop) / one more rounding, conservatively
+
+
+def _layer(recipe, device, dtype, fp8_weight=False, nominal=None, seed=0):
+    b, s, k, n = SHAPES[recipe.kind]
+    w = counter_uniform(seed, "w", (n, k), low=-k**-0.5, high=k**-0.5, dtype=dtype, device=device)
+    bias = counter_uniform(seed, "b", (n,), low=-0.1, high=0.1, dtype=dtype, device=device)
+    if fp8_weight:
+        fmt = "fp8" if recipe.kind == "hybrid" else "fp8_128x128"
+        q = make_quantizer(fmt).quantize(w.float())
+        w = type(q).from_buffers(q.raw_buffers(), q.meta(), q.shape, nominal or dtype, quantizer=q.quantizer)
+    x = counter_uniform(seed, "x", (b, s, k), dtype=dtype, device=device) * torch.exp2(
+        counter_uniform(seed, "e", (b, s, k), low=-4, high=4, device=device).round()).to(dtype)  # 9 binades
+    g = counter_uniform(seed, "g", (b, s, n), dtype=dtype, device=device) * 1e-3
+    return nn.Parameter(w), nn.Parameter(bias), x.requires_grad_(), g
+
+
+def _run(recipe, w, bias, x, g):
+    y = fp8_linear(x, w, bias, recipe)
+    y.backward(g)
+    out = (y.detach(), x.grad.clone(), w.grad.clone(), bias.grad.clone())
+    x.grad = w.grad = bias.grad = None
+    return out
+
+
+CASES = [(d, k, dt) for d in DEVICES for k in ("hybrid", "blockwise")
+         for dt in ([torch.float32] if d == "cpu" else [torch.bfloat16])]
+
+
+@pytest.mark.parametrize("device,kind,dtype", CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_forward_and_backward_within_derived_bounds(device, kind, dtype):
+    recipe = Fp8Recipe(kind)
+    w, bias, x, g = _layer(recipe, device, dtype)
+    y, dx, dw, db = _run(recipe, w, bias, x, g)
+    assert (y.dtype, dx.dtype, dw.dtype, db.dtype) == (dtype,) * 4 and type(dw) is torch.Tensor
+    x2, g2, w64 = x.detach().reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]), w.detach()
+    grad_fmt = E5M2 if kind == "hybrid" else E4M3
+    block_k = None if kind == "hybrid" else 128
+    checks = {  # name: (computed, float64 reference, bound)
+        "fprop": (y.reshape(x2.shape[0], -1), ref := x2.double() @ w64.double().T + bias.detach().double(),
+                  _product_bound(x2, E4M3, w64, E4M3, block_k=block_k, device=device, out_dtype=dtype, ref=ref)),
+        "dgrad": (dx.reshape(x2.shape), ref := g2.double() @ w64.double(),
+                  _product_bound(g2, grad_fmt, w64.T, E4M3, block_k=block_k, device=device, out_dtype=dtype,
+                                 ref=ref)),
+        "wgrad": (dw, ref := g2.double().T @ x2.double(),
+                  _product_bound(g2.T, grad_fmt, x2.T, E4M3, block_k=block_k, device=device, out_dtype=dtype,
+                                 ref=ref)),
+    }
+    for name, (out, ref, bound) in checks.items():
+        err = (out.double() - ref).abs()
+        assert (err <= bound).all(), f"{name}: error exceeds the bound by {float((err - bound).max()):.3g}"
+        assert float(bound.max()) < 0.5 * float(ref.abs().max()), f"{name}: the bound is vacuous"
+    m = g2.shape[0]
+    u = U_OUT[dtype]
+    db_bound = m * u / (1 - m * u) * g2.double().abs().sum(0) + u * g2.double().sum(0).abs()
+    assert ((db.double() - g2.double().sum(0)).abs() <= db_bound).all()
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "blockwise"])
+def test_saving_the_fp8_input_gives_the_same_gradients_with_a_quarter_of_the_bytes(kind):
+    """Current scaling is deterministic: requantizing x in backward gives the forward's codes, so both options
+    give bit-identical gradients; the FP8 option saves 1 byte per element of x instead of 4 (fp32)."""
+    results, saved = {}, {}
+    for save in (True, False):
+        recipe = Fp8Recipe(kind, save_fp8_input=save)
+        w, bias, x, g = _layer(recipe, "cpu", torch.float32)
+        sizes = []
+
+        def pack(t, sizes=sizes):
+            sizes.append((t.dtype, t.numel() * t.element_size()))
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = fp8_linear(x, w, bias, recipe)
+        y.backward(g)
+        results[save] = (x.grad, w.grad, bias.grad)
+        saved[save] = sizes
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
+    x_numel = math.prod(SHAPES[kind][:3])
+    assert (torch.uint8, x_numel) in saved[True] and (torch.float32, 4 * x_numel) not in saved[True]
+    assert (torch.float32, 4 * x_numel) in saved[False]
+
+
+@pytest.mark.parametrize("nominal", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kind", ["hybrid", "blockwise"])
+def test_an_fp8_weight_is_multiplied_as_is_never_dequantized(kind, nominal, monkeypatch):
+    """A weight that IS FP8 (what FSDP2's all-gather hands the layer) goes into the GEMMs by its codes: no
+    fallback (strict dispatch), no dequantize() call, and the same results as quantizing the high-precision
+    weight on the fly (same quantizer, same codes). Its gradient is a plain tensor of the nominal dtype."""
+    recipe = Fp8Recipe(kind)
+    w8, b8, x8, g = _layer(recipe, "cpu", torch.float32, fp8_weight=True, nominal=nominal)
+    w_hp, bias, x, _ = _layer(recipe, "cpu", torch.float32)
+    expected = _run(recipe, w_hp, bias, x, g)
+
+    def refuse(self, dtype=None):
+        raise AssertionError("dequantize() called on an FP8 weight")
+    monkeypatch.setattr(Float8Tensor, "dequantize", refuse)
+    monkeypatch.setattr(FP8BlockwiseTensor, "dequantize", refuse)
+    reset_counters()
+    with strict_dispatch():
+        got = _run(recipe, w8, b8, x8, g)
+    assert not FALLBACKS
+    assert type(got[2]) is torch.Tensor and got[2].dtype == nominal and got[2].shape == w8.shape
+    assert torch.equal(got[2], expected[2].to(nominal))
+    for a, b in zip(got[:2] + got[3:], expected[:2] + expected[3:]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pow2_scales_guess_the_last_scale_and_never_change_the_bytes(device):
+    """With power-of-two scales an Fp8Linear keeps each role's last scale as the guess of the one-pass
+    speculative cast (Triton on CUDA); results equal the cast without a guess, bit for bit, every step."""
+    recipe = Fp8Recipe("hybrid", pow2_scales=True)
+    w, bias, x, g = _layer(recipe, device, torch.float32)
+    layer = Fp8Linear(w.shape[1], w.shape[0], recipe=recipe, device=device)
+    layer.weight, layer.bias = w, bias
+    for step in range(3):
+        xs = x.detach() * 2.0**step  # the scale changes: a wrong guess must be corrected
+        a = xs.clone().requires_grad_()
+        ya = layer(a)
+        ya.backward(g)
+        got = (ya.detach(), a.grad, w.grad.clone())
+        w.grad = bias.grad = None
+        b = xs.clone().requires_grad_()
+        yb = fp8_linear(b, w, bias, recipe)  # no guess: the two-pass cast
+        yb.backward(g)
+        assert torch.equal(got[0], yb) and torch.equal(got[1], b.grad) and torch.equal(got[2], w.grad)
+        w.grad = bias.grad = None
+        for s in (layer.scale_guess.x, layer.scale_guess.dy):
+            assert s is not None and float(s) == 2.0 ** round(math.log2(float(s)))
+
+
+def test_bad_shapes_and_weights_are_refused_with_the_rule():
+    lin = Fp8Linear(64, 48)
+    with pytest.raises(FP8LayoutError, match="contracts over the 10 tokens"):
+        lin(torch.randn(10, 64))  # wgrad's reduction (tokens) is not a multiple of 16
+    with torch.no_grad():
+        assert lin(torch.randn(10, 64)).shape == (10, 48)  # inference: no wgrad, any number of rows
+    with pytest.raises(FP8LayoutError, match="multiple of 128 rows"):
+        Fp8Linear(128, 128, recipe="blockwise")(torch.randn(64, 128))
+    with pytest.raises(FP8LayoutError, match="K and N multiples of 16"):
+        Fp8Linear(40, 48)(torch.randn(16, 40))
+    mx = make_quantizer("mxfp8").quantize(torch.randn(48, 64))
+    with pytest.raises(TypeError, match="QLinear"):
+        fp8_linear(torch.randn(16, 64), mx)
+    e5 = CurrentScaling("e5m2").quantize(torch.randn(48, 64))
+    with pytest.raises(TypeError, match="E4M3 weight"):
+        fp8_linear(torch.randn(16, 64), e5)
+    with pytest.raises(ValueError, match="kind"):
+        Fp8Recipe("mxfp8")
+    with pytest.raises(ValueError, match="no fast accumulation"):
+        Fp8Recipe("blockwise", use_fast_accum=True)
+
+
+def test_blockmlp_keeps_qlinear_by_default_and_swap_linears_matches_the_fp8_option():
+    plain = BlockMLP(32, 64, 2, seed=3)
+    assert all(type(m) is QLinear for n, m in plain.named_modules() if n.endswith(("fc1", "fc2")))
+    built = BlockMLP(32, 64, 2, seed=3, fp8="hybrid")
+    params = {n: p for n, p in plain.named_parameters()}
+    swapped = swap_linears(plain, "hybrid")
+    assert swapped == ["blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2"]
+    assert all(params[n] is p for n, p in plain.named_parameters())  # the same parameter objects
+    assert all(isinstance(m, Fp8Linear) for n, m in plain.named_modules() if n.endswith(("fc1", "fc2")))
+    assert [type(m) for m in plain.modules()] == [type(m) for m in built.modules()]
+    x = counter_uniform(0, "x", (16, 32))
+    before = GEMM_CALLS["tensorwise", "emulated"]
+    plain(x).square().sum().backward()
+    built(x).square().sum().backward()
+    assert GEMM_CALLS["tensorwise", "emulated"] - before == 2 * 4 * 3  # 2 models x 4 linears x 3 GEMMs
+    for (n, p), (_, q) in zip(plain.named_parameters(), built.named_parameters()):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad), n
+
+
+def _fsdp2_device() -> str:
+    return "cuda" if torch.cuda.device_count() >= 2 else "cpu"
+
+
+@pytest.mark.distributed
+def test_fsdp2_training_with_fp8_linears_matches_one_process_bit_for_bit():
+    """2 ranks, FP8 weights all-gathered as FP8 bytes, FP8-GEMM linears: losses, every weight shard and every
+    fp32 master equal the single-process FP8-linear twin's, bit for bit (the derivation is in
+    ``train_compare_fp8``'s docstring), with no fallback and no dequantize of a weight. The same weights
+    with dequantize-on-use linears train to different losses: the FP8 GEMMs do change the numbers."""
+    device = _fsdp2_device()
+    calls = [(train_compare_fp8, dict(recipe="hybrid")), (train_compare_fp8, dict(recipe="blockwise")),
+             (step_breakdown, dict(recipe="hybrid", reps=1))]
+    results = launch(run_sequence, world_size=2, device=device, args=(calls,), timeout=240)
+    hardware = device == "cuda" and fp8_tensor_cores("cuda")
+    for rank_results in results:
+        *trains, steps = rank_results
+        for res in trains:
+            assert res.bit_exact, dataclasses.asdict(res)
+            assert res.fallbacks == 0 and res.weight_dequantizes == 0
+            assert all(p.quantized for p in res.params if p.name.endswith(("fc1.weight", "fc2.weight")))
+            assert res.losses != res.dequant_losses
+            kinds = {g.scaling for g in res.gemms}
+            assert kinds == ({"tensorwise"} if res.recipe == "hybrid" else {"1x128x128x128", "1x128x1x128"})
+            assert sum(g.calls for g in res.gemms) == res.steps * 2 * 2 * 3  # steps x blocks x linears x GEMMs
+            backends = {g.backend for g in res.gemms}
+            assert "emulated" not in backends if hardware else backends == {"emulated"}
+        fp8, deq = steps.fp8_gemms, steps.dequantize_on_use
+        assert min(fp8.quantize_ms, fp8.fprop_ms, fp8.dgrad_ms, fp8.wgrad_ms, fp8.all_gather_ms) > 0
+        assert deq.fprop_ms == deq.quantize_ms == 0 and deq.all_gather_ms > 0

@@ -1,0 +1,22 @@
+"""Scaled FP8 matrix multiplies: the float64 references, torch's ``scaled_mm`` and FP8 linear layers.
+
+==================  ==========================================================================
+``reference``       THE float64 references for scaled matmuls (FP8 blockwise 1x128 x 128x128,
+                    per-tensor / row-wise) and the derived error bound that every GEMM test,
+                    the lesson and ``benchmarks/bench_fp8_gemm.py`` compare against
+``scaled_mm``       torch's ``scaled_mm`` with the repository's quantized buffers
+``fp8_linear``      ``nn.Linear`` computed with FP8 GEMMs
+==================  ==========================================================================
+
+The Triton kernel itself is ``tutorial_kernels.fp8_gemm.blockwise_fp8_gemm`` (kernels are a leaf:
+they import nothing from here). Layer: ``tutorial_lib.matmul`` sits between ``models`` and ``quant``
+-- it may import ``tutorial_lib.quant``, ``tutorial_lib.harness`` and ``tutorial_kernels``.
+
+Example::
+
+    from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
+    from tutorial_lib.matmul.reference import blockwise_fp8_gemm_reference
+    a, sa = quantize_fp8_blockwise(x, (1, 128))           # activations [M, K]
+    b, sb = quantize_fp8_blockwise(w, (128, 128))         # weight [N, K], like nn.Linear
+    y = blockwise_fp8_gemm_reference(a, sa, b, sb)        # fp32 [M, N], computed in float64
+"""

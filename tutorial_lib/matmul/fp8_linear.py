@@ -1,0 +1,386 @@
+"""An FP8 linear layer: the three GEMMs of ``nn.Linear`` run on FP8 codes, not on dequantized copies.
+
+``y = x @ W.T + b`` costs three GEMMs per step. :class:`Fp8Linear` runs each one as a scaled FP8
+GEMM (:mod:`tutorial_lib.matmul.scaled_mm`), with the operand layouts Hopper's FP8 GEMM needs
+(A row-major, B column-major)::
+
+    GEMM    computes                A (row-major)          B (column-major)            copies made
+    -----   ---------------------   --------------------   -------------------------   --------------------------
+    fprop   y  [M, N] = x  @ W.T    x codes  [M, K]        W.T: W [N, K] as stored     none
+    dgrad   dx [M, K] = dy @ W      dy codes [M, N]        W  : needs W.T row-major    W.T codes [K, N] (1 B/el)
+    wgrad   dW [N, K] = dy.T @ x    dy.T codes [N, M]      x  : needs x.T row-major    dy.T and x.T codes
+    (M = tokens, K = in_features, N = out_features; a "transposed copy" is of the 1-byte codes,
+     exact for a per-tensor scale and for 128x128 tiles, whose scales transpose with them)
+
+Recipes (:class:`Fp8Recipe`):
+
+* ``"hybrid"`` (per-tensor, current scaling): x and W in E4M3, the output gradient dy in E5M2
+  (range over precision: gradients span more binades), so dgrad and wgrad are E5M2 x E4M3 GEMMs
+  (E5M2 x E5M2 does not exist). x and dy are cast by :class:`~tutorial_lib.quant.float8.CurrentScaling`,
+  which on CUDA runs the repository's Triton casts (amax computed in the kernels, the scale derived
+  on the device, no host sync); with ``pow2_scales=True`` the one-pass speculative cast, guessing
+  each layer's previous scale (:class:`ScaleGuess`).
+* ``"blockwise"``: E4M3 everywhere, one scale per 1x128 block of x and dy and per 128x128 tile of
+  W (the tensors of :mod:`tutorial_lib.quant.blockwise`). wgrad contracts over the TOKENS, so it
+  needs dy and x with blocks along M, i.e. 128x1 blocks: we quantize ``dy.T`` and ``x.T`` with
+  1x128 blocks (from high precision, not by requantizing FP8 codes) and run a 1x128 x 1x128 GEMM;
+  this needs M % 128 == 0. dgrad uses W.T's tiles (the transposed 128x128 codes and scales, exact).
+
+The weight. If the parameter already IS a quantized tensor of the recipe's format -- under FSDP2
+the unsharded weight is a :class:`~tutorial_lib.quant.float8.Float8Tensor` holding the all-gathered
+FP8 bytes (lesson 06) -- its codes and scale go straight into the GEMMs: no dequantize, no
+fallback. A high-precision weight is quantized on every forward. Either way the weight's gradient
+is a plain tensor of the parameter's nominal dtype (what FSDP2's reduce-scatter and the optimizers
+expect); the bias is added, and its gradient summed, in high precision.
+
+What is saved for backward: the weight (the parameter itself; FSDP2 refills its bytes in place
+before backward) or its FP8 copy, and x as FP8 codes + scale (``save_fp8_input=True``: 1 byte
+per element instead of 2 (bf16) or 4) -- for blockwise, x.T's codes, which wgrad reads -- or the
+high-precision x itself (``save_fp8_input=False``), requantized in backward. Current scaling is
+deterministic, so both give the same codes and bit-identical gradients.
+
+Example::
+
+    from tutorial_lib.matmul.fp8_linear import Fp8Linear, Fp8Recipe, fp8_linear, swap_linears
+    layer = Fp8Linear(256, 512, recipe="hybrid")              # an nn.Linear: same parameters, FP8 GEMMs
+    y = layer(torch.randn(64, 256))
+    swap_linears(model, recipe=Fp8Recipe("blockwise"))          # every nn.Linear / QLinear, before fully_shard
+    y = fp8_linear(x, w8, bias, Fp8Recipe("hybrid", save_fp8_input=False))   # functional form
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
+
+from tutorial_lib.matmul.scaled_mm import BACKENDS, FP8LayoutError, blockwise_mm, fp8_mm
+from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer, FP8Blockwise1x128Tensor, FP8Blockwise128x128Tensor
+from tutorial_lib.quant.float8 import CurrentScaling, Float8Tensor
+from tutorial_lib.quant.tensor import is_quantized
+
+__all__ = ["PROFILE_LABELS", "RECIPES", "Fp8Linear", "Fp8Recipe", "ScaleGuess", "as_recipe", "fp8_linear",
+           "swap_linears"]
+
+RECIPES = ("hybrid", "blockwise")
+PROFILE_LABELS = ("fp8_linear.quantize", "fp8_linear.transpose", "fp8_linear.fprop", "fp8_linear.dgrad",
+                  "fp8_linear.wgrad")
+"""``torch.profiler`` ranges around each phase: casts to FP8, transposed copies of codes, the three GEMMs."""
+
+
+def _phase(name: str):
+    return record_function("fp8_linear." + name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """How an :class:`Fp8Linear` quantizes its operands and which GEMMs it runs."""
+
+    kind: str = "hybrid"  # "hybrid": per-tensor E4M3 x/W, E5M2 grads | "blockwise": E4M3, 1x128 / 128x128 scales
+    save_fp8_input: bool = True  # save x as FP8 codes + scale (1 B/element) for wgrad, not x itself
+    use_fast_accum: bool = False  # fprop GEMM in the tensor cores' fast accumulation (dgrad/wgrad never)
+    pow2_scales: bool = False  # power-of-two scales (hybrid: rounded down; blockwise: rounded up)
+    backend: str = "auto"  # scaled_mm backend: "auto", "torch", "triton" (blockwise fprop/dgrad), "emulated"
+
+    def __post_init__(self):
+        if self.kind not in RECIPES:
+            raise ValueError(f"Fp8Recipe kind must be one of {RECIPES}, got {self.kind!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"Fp8Recipe backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.kind == "blockwise" and self.use_fast_accum:
+            raise ValueError("the blockwise recipe has no fast accumulation (block scales promote every 128-wide "
+                             "partial sum to fp32); use_fast_accum applies to the hybrid recipe")
+
+
+def as_recipe(recipe: Fp8Recipe | str) -> Fp8Recipe:
+    """``"hybrid"`` / ``"blockwise"`` -> the default :class:`Fp8Recipe` of that kind; a recipe passes through."""
+    return recipe if isinstance(recipe, Fp8Recipe) else Fp8Recipe(kind=recipe)
+
+
+# ----------------------------------------------------------------------------- operand helpers
+
+
+def _f8(data: torch.Tensor, scale_inv: torch.Tensor, fmt: str, dtype: torch.dtype) -> Float8Tensor:
+    """A Float8Tensor around codes we already hold (any strides: the wrapper reports the codes' strides)."""
+    return Float8Tensor.from_buffers({"data": data, "scale_inv": scale_inv}, {"fmt": fmt}, data.shape, dtype)
+
+
+def _rows_of(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` as a 2-D [rows, features] matrix (a view of a contiguous tensor)."""
+    if t.dim() < 1:
+        raise ValueError(f"fp8_linear: {what} must have at least one dim, got a scalar")
+    return t.reshape(-1, t.shape[-1])
+
+
+def _check_weight(weight: torch.Tensor, recipe: Fp8Recipe) -> None:
+    if isinstance(weight, DTensor):
+        raise TypeError("fp8_linear got a DTensor weight: call it inside an FSDP2 module's forward (which unshards "
+                        "the weight into a plain or quantized tensor), or pass weight.full_tensor()")
+    if not is_quantized(weight):
+        return
+    want = Float8Tensor if recipe.kind == "hybrid" else FP8Blockwise128x128Tensor
+    if not isinstance(weight, want):
+        raise TypeError(f"the {recipe.kind!r} FP8 recipe multiplies {want.__name__} weights; this weight is "
+                        f"{type(weight).__name__}. Quantize it with the matching format (registry 'fp8' for "
+                        f"'hybrid', 'fp8_128x128' for 'blockwise') or use QLinear (dequantize-on-use)")
+    if recipe.kind == "hybrid" and weight.meta()["fmt"] != "e4m3":
+        raise TypeError(f"the hybrid recipe needs an E4M3 weight (dgrad multiplies E5M2 gradients by it, and "
+                        f"E5M2 x E5M2 has no FP8 GEMM); this Float8Tensor is {weight.meta()['fmt']}")
+
+
+def _hybrid_weight(weight: torch.Tensor, recipe: Fp8Recipe) -> Float8Tensor:
+    """The weight's E4M3 codes + scale: the parameter's own bytes when it is FP8, else a fresh cast."""
+    if isinstance(weight, Float8Tensor):
+        return weight
+    return CurrentScaling("e4m3", pow2=recipe.pow2_scales).quantize(weight.detach())
+
+
+def _blockwise_weight(weight: torch.Tensor, recipe: Fp8Recipe) -> FP8Blockwise128x128Tensor:
+    if isinstance(weight, FP8Blockwise128x128Tensor):
+        return weight
+    return BlockwiseFP8Quantizer((128, 128), pow2_scales=recipe.pow2_scales).quantize(weight.detach())
+
+
+_WGRAD_TOKEN_MULTIPLE = {"hybrid": 16, "blockwise": 128}
+
+
+def _check_wgrad_tokens(m: int, recipe: Fp8Recipe) -> None:
+    """wgrad contracts over the tokens (rows of x): they are its K, so they obey K's rule -- checked in forward."""
+    need = _WGRAD_TOKEN_MULTIPLE[recipe.kind]
+    if m % need:
+        why = ("K and N multiples of 16" if recipe.kind == "hybrid" else
+               "1x128 blocks of dy.T and x.T run along the tokens")
+        raise FP8LayoutError(f"FP8 GEMM rule '{why}' broken by the weight-gradient GEMM dW = dy.T @ x, which "
+                             f"contracts over the {m} tokens (rows of x). Fix: pad the batch to a multiple of "
+                             f"{need} rows" + (", or use the 'hybrid' recipe" if recipe.kind == "blockwise" else ""))
+
+
+class ScaleGuess:
+    """The last power-of-two scales of one layer's x and dy (hybrid recipe with ``pow2_scales=True``).
+
+    They are the ``scale_guess`` of the repository's one-pass speculative current-scaling cast
+    (``tutorial_kernels.fp8_cast``): amax and cast in ONE read of x when the scale did not change,
+    a recast only when it did. The bytes never depend on the guess. (Without ``pow2_scales`` the
+    cast is the two-kernel version: amax, then cast, scale computed on the device.)"""
+
+    __slots__ = ("x", "dy")
+
+    def __init__(self):
+        self.x: torch.Tensor | None = None
+        self.dy: torch.Tensor | None = None
+
+
+def _cast(t: torch.Tensor, fmt: str, recipe: Fp8Recipe, guess: ScaleGuess | None, role: str):
+    """Current-scaling cast of ``t`` (CastResult), speculative on the layer's last scale when it can be."""
+    scale_guess = getattr(guess, role) if (guess is not None and recipe.pow2_scales) else None
+    if scale_guess is not None and scale_guess.device != t.device:
+        scale_guess = None
+    res = CurrentScaling(fmt, pow2=recipe.pow2_scales).cast(t, scale_guess=scale_guess)
+    if guess is not None and recipe.pow2_scales:
+        setattr(guess, role, res.scale)
+    return res
+
+
+# ----------------------------------------------------------------------------- the autograd function
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    """``y = x @ W.T + b`` with FP8 fprop/dgrad/wgrad GEMMs (see the module docstring for the layouts)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe: Fp8Recipe, grad_enabled: bool, guess: ScaleGuess | None):
+        x2 = _rows_of(x, "x")
+        # needs_input_grad follows requires_grad even under no_grad: what backward will need is both
+        want_x, want_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
+        if want_w:
+            _check_wgrad_tokens(x2.shape[0], recipe)  # fail in forward, not half-way through backward
+        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.has_bias = recipe, x.shape, x.dtype, bias is not None
+        ctx.guess = guess
+        ctx.w_shape, ctx.w_dtype = weight.shape, weight.dtype
+        x_codes = (None, None)
+        if recipe.kind == "hybrid":
+            with _phase("quantize"):
+                xq = _cast(x2, "e4m3", recipe, guess, "x")
+                w8 = _hybrid_weight(weight, recipe)
+            wb = w8.raw_buffers()
+            with _phase("fprop"):
+                y = fp8_mm(_f8(xq.data, xq.scale_inv, "e4m3", x.dtype), _f8(wb["data"].t(), wb["scale_inv"], "e4m3",
+                           weight.dtype), out_dtype=x.dtype, use_fast_accum=recipe.use_fast_accum,
+                           backend=recipe.backend)
+            if want_w and recipe.save_fp8_input:
+                x_codes = (xq.data, xq.scale_inv)
+        else:
+            quant_1x128 = BlockwiseFP8Quantizer((1, 128), pow2_scales=recipe.pow2_scales)
+            with _phase("quantize"):
+                xq = quant_1x128.quantize(x2)
+                w8 = _blockwise_weight(weight, recipe)
+            with _phase("fprop"):
+                y = blockwise_mm(xq, w8, out_dtype=x.dtype, use_fast_accum=recipe.use_fast_accum,
+                                 backend=recipe.backend)
+            if want_w and recipe.save_fp8_input:
+                with _phase("quantize"):
+                    x_t = quant_1x128.quantize(x2.t())  # x.T in 1x128 blocks = x in 128x1 blocks: what wgrad reads
+                x_codes = (x_t.raw_buffers()["data"], x_t.raw_buffers()["scale_inv"])
+        if bias is not None:
+            y = y + bias  # high precision
+        # Saved for backward. dgrad needs the weight: the parameter itself when it is FP8 (FSDP2 refills its
+        # bytes in place before backward), else the codes cast above. wgrad needs x: its FP8 codes + scale
+        # (1 byte/element) or x itself (requantized in backward, to the same codes).
+        w_param = weight if (want_x and w8 is weight) else None
+        w_codes = (w8.raw_buffers()["data"], w8.raw_buffers()["scale_inv"]) if (want_x and w8 is not weight) \
+            else (None, None)
+        x_hp = x if (want_w and not recipe.save_fp8_input) else None
+        ctx.save_for_backward(w_param, *w_codes, x_hp, *x_codes)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        w_param, w_data, w_scale, x_hp, x_data, x_scale = ctx.saved_tensors
+        if w_param is not None:
+            w_data, w_scale = w_param.raw_buffers()["data"], w_param.raw_buffers()["scale_inv"]
+        g2 = _rows_of(grad_out, "grad_output")
+        if not g2.is_contiguous():
+            g2 = g2.contiguous()
+        want_x, want_w, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        w = (w_data, w_scale) if want_x else None
+        x = None if not want_w else (x_data, x_scale) if x_data is not None else _rows_of(x_hp, "x")
+        backward = _hybrid_backward if ctx.recipe.kind == "hybrid" else _blockwise_backward
+        dx, dw = backward(ctx, g2, w, x)
+        db = g2.sum(0) if (ctx.has_bias and want_b) else None
+        dx = None if dx is None else dx.reshape(ctx.x_shape)
+        return dx, dw, db, None, None, None
+
+
+def _hybrid_backward(ctx, g2, w, x):
+    """dgrad (if ``w``: the weight's codes + scale) and wgrad (if ``x``: x's codes + scale, or x itself)."""
+    recipe = ctx.recipe
+    with _phase("quantize"):
+        gq = _cast(g2, "e5m2", recipe, ctx.guess, "dy")  # dy in E5M2, once for both GEMMs
+    dx = dw = None
+    if w is not None:  # dgrad: dx = dy @ W. B = W [N, K] column-major = (W.T row-major [K, N]).t(): a copy
+        w_data, w_scale = w
+        with _phase("transpose"):
+            w_t = w_data.t().contiguous()
+        with _phase("dgrad"):
+            dx = fp8_mm(_f8(gq.data, gq.scale_inv, "e5m2", g2.dtype), _f8(w_t.t(), w_scale, "e4m3", ctx.w_dtype),
+                        out_dtype=ctx.x_dtype, backend=recipe.backend)
+    if x is not None:  # wgrad: dW = dy.T @ x. A = dy.T row-major (a copy); B = x column-major = (x.T).t() (a copy)
+        if isinstance(x, tuple):
+            x_data, x_scale = x
+        else:
+            with _phase("quantize"):
+                xq = CurrentScaling("e4m3", pow2=recipe.pow2_scales).cast(x)  # the same codes the forward made
+            x_data, x_scale = xq.data, xq.scale_inv
+        with _phase("transpose"):
+            g_t = gq.data.t().contiguous()
+            x_t = x_data.t().contiguous()
+        with _phase("wgrad"):
+            dw = fp8_mm(_f8(g_t, gq.scale_inv, "e5m2", g2.dtype), _f8(x_t.t(), x_scale, "e4m3", ctx.x_dtype),
+                        out_dtype=ctx.w_dtype, backend=recipe.backend)
+    return dx, dw
+
+
+def _blockwise_backward(ctx, g2, w, x):
+    """dgrad (dy in 1x128 blocks x W.T's tiles) and wgrad (dy.T and x.T in 1x128 blocks, along the tokens)."""
+    recipe = ctx.recipe
+    quant_1x128 = BlockwiseFP8Quantizer((1, 128), pow2_scales=recipe.pow2_scales)
+    dx = dw = None
+    if w is not None:  # dgrad: dx [M, K] = dy [M, N] @ W [N, K] = dy @ (W.T [K, N]).T; W.T's tiles are W's, transposed
+        w_data, w_scale = w
+        n, k = ctx.w_shape
+        with _phase("transpose"):
+            w_t = FP8Blockwise128x128Tensor.from_buffers(
+                {"data": w_data.t().contiguous(), "scale_inv": w_scale.t().contiguous()}, {}, (k, n), ctx.w_dtype)
+        with _phase("quantize"):
+            gq = quant_1x128.quantize(g2)
+        with _phase("dgrad"):
+            dx = blockwise_mm(gq, w_t, out_dtype=ctx.x_dtype, backend=recipe.backend)
+    if x is not None:  # wgrad: dW [N, K] = dy.T [N, M] @ x [M, K] = dy.T @ (x.T [K, M]).T, 1x128 blocks along M
+        with _phase("quantize"):
+            if isinstance(x, tuple):
+                x_t = FP8Blockwise1x128Tensor.from_buffers({"data": x[0], "scale_inv": x[1]}, {}, x[0].shape,
+                                                           ctx.x_dtype)
+            else:
+                x_t = quant_1x128.quantize(x.t())
+            g_t = quant_1x128.quantize(g2.t())
+        backend = "auto" if recipe.backend == "triton" else recipe.backend  # the Triton kernel has no 1x128 x 1x128
+        with _phase("wgrad"):
+            dw = blockwise_mm(g_t, x_t, out_dtype=ctx.w_dtype, backend=backend)
+    return dx, dw
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               recipe: Fp8Recipe | str = "hybrid", guess: ScaleGuess | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with FP8 GEMMs forward and backward (see the module docstring).
+
+    ``weight`` is a high-precision tensor (quantized on every call) or an already quantized weight
+    of the recipe's format (used as is: :class:`Float8Tensor` E4M3 for "hybrid",
+    :class:`FP8Blockwise128x128Tensor` for "blockwise"). Shape rules are those of the FP8 GEMMs
+    (:mod:`~tutorial_lib.matmul.scaled_mm`): in/out features multiples of 16 (128 for blockwise); the
+    token count (rows of x) free (hybrid) or a multiple of 4 (blockwise), and when the weight needs a
+    gradient a multiple of 16 (hybrid) / 128 (blockwise), since wgrad contracts over it -- checked in
+    forward, with an :class:`~tutorial_lib.matmul.scaled_mm.FP8LayoutError` naming the rule.
+    """
+    recipe = as_recipe(recipe)
+    _check_weight(weight, recipe)
+    if isinstance(x, FP8Blockwise1x128Tensor) or is_quantized(x):
+        raise TypeError("fp8_linear quantizes x itself: pass the high-precision activation")
+    return _Fp8LinearFn.apply(x, weight, bias, recipe, torch.is_grad_enabled(), guess)
+
+
+class Fp8Linear(nn.Linear):
+    """``nn.Linear`` whose forward and backward GEMMs run in FP8 (:func:`fp8_linear`).
+
+    Same parameters, names and init as ``nn.Linear``, so counter-based init, quantized init
+    (``nn.Linear`` weights are selected) and FSDP2 treat it as one.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
+                 recipe: Fp8Recipe | str = "hybrid"):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = as_recipe(recipe)
+        self.scale_guess = ScaleGuess()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias, self.recipe, self.scale_guess)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.kind}"
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe | str = "hybrid") -> Fp8Linear:
+        """An Fp8Linear that takes over ``linear``'s parameter objects (no copy, no new init)."""
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
+                  recipe=recipe)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        return new
+
+
+def swap_linears(model: nn.Module, recipe: Fp8Recipe | str = "hybrid", *, select=None) -> list[str]:
+    """Replace every ``nn.Linear`` (``QLinear`` included) in ``model`` by an :class:`Fp8Linear` sharing its
+    parameters; ``select(name, module) -> bool`` narrows the choice. Returns the swapped module names.
+
+    Call it BEFORE ``fully_shard`` (FSDP2 keeps references to the modules it manages); a linear
+    whose weight is already a DTensor is refused.
+    """
+    recipe = as_recipe(recipe)
+    swapped = []
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if not isinstance(child, nn.Linear) or isinstance(child, Fp8Linear):
+                continue
+            if select is not None and not select(name, child):
+                continue
+            if isinstance(child.weight, DTensor):
+                raise ValueError(f"{name} is already sharded (DTensor weight): swap linears before fully_shard")
+            setattr(parent, child_name, Fp8Linear.from_linear(child, recipe))
+            swapped.append(name)
+    return swapped

@@ -1,0 +1,413 @@
+"""The scaled-GEMM contract: FP8 matmuls that multiply the codes, not dequantized copies.
+
+Hopper's (and Ada's) FP8 tensor cores, reached from PyTorch through ``torch._scaled_mm`` and
+``torch.nn.functional.scaled_mm`` (cuBLASLt underneath), compute::
+
+    out[M, N] = (A[M, K] * scale_a) @ (B[K, N] * scale_b)     A, B: FP8 codes; scale_a, scale_b: fp32
+                                                              DEcoding multipliers (our ``scale_inv``)
+
+products of two FP8 values are exact, the sum runs in the tensor core's accumulator, and the
+scales are applied in the epilogue. What the hardware path accepts, and what to do otherwise
+(every row is checked here, on every backend, BEFORE anything is called -- a CPU run of
+``torch._scaled_mm`` accepts layouts CUDA rejects, so it proves nothing about them)::
+
+    rule                  requirement                                        fix when broken
+    --------------------  -------------------------------------------------  ----------------------------------
+    A row-major           A.stride() == (lda >= K, 1)                        quantize/pass a contiguous A
+    B column-major        B.stride() == (1, ldb >= K): B = W.t() of a         pass w.t() of the row-major weight,
+                          row-major weight W [N, K]                          or b.t().contiguous().t() (a copy)
+    K, N multiples of 16  (M is free: any number of rows)                    pad K / N with zeros
+    formats               E4M3xE4M3, E4M3xE5M2, E5M2xE4M3; NOT E5M2xE5M2      weights/activations E4M3, grads E5M2
+    scales, per-tensor    fp32, one element each (0-d, [1] or [1, 1])
+    scales, row-wise      fp32 scale_a [M, 1] and scale_b [1, N], contiguous   (also E5M2 x E4M3 on sm_90)
+    out dtype             bf16, fp16 or fp32 (an FP8 output exists; not used here)
+    use_fast_accum        keep the whole K sum in the tensor core's reduced-precision accumulator;
+                          False promotes partial sums to fp32 (the default, and always for grads)
+    device                CUDA, compute capability >= 8.9 (tensor cores with FP8)
+
+FP8 *blockwise* (1x128 activations x 128x128 weights, one fp32 scale per block, cuBLASLt on
+sm_90 only) has its own rules, see :func:`blockwise_mm`: E4M3 only, K a multiple of 128, N of 16
+(128 for 128x128 tiles), M of 4, no ``use_fast_accum``; A's 1x128 scales [M, K/128] stored
+M-major, B's 128x128 scales K-block-major padded to a multiple of 4 K-blocks. Our
+tensors keep their scales row-major, so the torch backend re-lays out the *scales* (1/32 of A's
+bytes, 1/4096 of B's); the FP8 operands themselves are never copied here.
+
+Backends (``backend=``): ``"torch"`` (the tensor cores through torch; per-tensor also runs on CPU
+through torch's own CPU kernel, which has no row-wise scales), ``"triton"`` (blockwise only: the repository's
+``tutorial_kernels.fp8_gemm``), ``"emulated"`` (codes decoded to fp32 -- exact --, multiplied with
+fp32 accumulation, scales applied per tensor / row / 128-wide K block as the hardware does:
+an EMULATION of the FP8 GEMM and the CPU path). MXFP8 and NVFP4 need MX tensor cores (not on
+Hopper): :func:`emulated_mm` multiplies any two quantized tensors by dequantizing them to fp32 --
+an emulation, named so in :data:`GEMM_CALLS`. ``"auto"``: CUDA with FP8 tensor cores -> ``"torch"`` (blockwise: sm_90 ->
+torch, other FP8-capable GPUs -> triton); CPU -> ``"emulated"``. Every call is counted in
+:data:`GEMM_CALLS` by (scaling, backend), so a caller can tell what ran. On CPU all backends
+agree up to accumulation order (FP8 products are exact in fp32).
+
+Example::
+
+    from tutorial_lib.matmul.scaled_mm import blockwise_mm, fp8_mm, fp8_mm_rowwise, quantize_rowwise
+    from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer
+    from tutorial_lib.quant.float8 import CurrentScaling
+    x8 = CurrentScaling("e4m3").quantize(x)                 # [M, K] Float8Tensor, row-major
+    w8 = CurrentScaling("e4m3").quantize(w)                 # [N, K] Float8Tensor, row-major
+    y = fp8_mm(x8, w8.t(), out_dtype=torch.bfloat16)        # x @ w.T: w.t() IS the column-major B
+    fp8_mm(x8, w8.t().contiguous(), out_dtype=torch.bfloat16)   # FP8LayoutError: B must be column-major
+    xr, wr = quantize_rowwise(x), quantize_rowwise(w)       # per-row scales [M, 1] and [N, 1]
+    y = fp8_mm_rowwise(xr.data, xr.scale_inv, wr.data.t(), wr.scale_inv.t(), out_dtype=torch.bfloat16)
+    xb = BlockwiseFP8Quantizer((1, 128)).quantize(x)        # activations: 1x128 blocks
+    wb = BlockwiseFP8Quantizer((128, 128)).quantize(w)      # weights: 128x128 tiles
+    y = blockwise_mm(xb, wb, out_dtype=torch.bfloat16)      # x @ w.T
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+import tutorial_kernels.fp8_gemm as fp8_gemm_kernels
+
+from tutorial_lib.quant.blockwise import FP8Blockwise1x128Tensor, FP8Blockwise128x128Tensor
+from tutorial_lib.quant.float8 import FP8_DTYPES, Float8Tensor
+from tutorial_lib.quant.per_tensor import scale_from_amax
+from tutorial_lib.quant.tensor import QuantizedTensor
+
+__all__ = [
+    "BACKENDS", "GEMM_CALLS", "OUT_DTYPES", "FP8LayoutError", "RowwiseFP8", "blockwise_mm",
+    "blockwise_tensor_cores", "check_fp8_gemm", "emulated_mm", "fp8_mm", "fp8_mm_rowwise", "fp8_tensor_cores",
+    "quantize_rowwise", "resolve_backend",
+]
+
+BACKENDS = ("auto", "torch", "triton", "emulated")
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Output dtypes every path supports (the tensor cores also write FP8, which this module does not use)."""
+
+GEMM_CALLS: collections.Counter = collections.Counter()
+"""``(scaling, backend) -> calls``: scaling is "tensorwise", "rowwise", "1x128x128x128" or "1x128x1x128"."""
+
+_BLOCK = 128
+
+
+class FP8LayoutError(ValueError):
+    """An operand breaks a rule of the FP8 tensor-core GEMM; the message names the rule and the fix."""
+
+
+# ----------------------------------------------------------------------------- which hardware
+
+
+def fp8_tensor_cores(device) -> bool:
+    """True on a CUDA device with FP8 tensor cores (compute capability >= 8.9: Ada, Hopper, Blackwell)."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def blockwise_tensor_cores(device) -> bool:
+    """True where cuBLASLt runs 1x128 / 128x128 blockwise FP8 (sm_90 only) and torch exposes it."""
+    device = torch.device(device)
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+            and hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"))
+
+
+def resolve_backend(scaling: str, backend: str, device) -> str:
+    """The backend ``backend`` means for a GEMM of ``scaling`` on ``device`` ("auto" resolved; errors explained)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    device = torch.device(device)
+    blockwise = scaling.startswith("1x128")
+    if backend == "auto":
+        if not blockwise:
+            return "torch" if fp8_tensor_cores(device) else "emulated"
+        if blockwise_tensor_cores(device):
+            return "torch"
+        if fp8_tensor_cores(device) and scaling == "1x128x128x128":
+            return "triton"
+        return "emulated"
+    if backend == "triton":
+        if not blockwise or scaling != "1x128x128x128":
+            raise ValueError(f"backend='triton' implements the 1x128 x 128x128 blockwise GEMM only, not {scaling}; "
+                             "use backend='auto'")
+    if backend == "torch" and device.type == "cuda" and not fp8_tensor_cores(device):
+        raise ValueError(f"backend='torch' needs FP8 tensor cores (compute capability >= 8.9); {device} has "
+                         f"{torch.cuda.get_device_capability(device)}: use backend='emulated'")
+    if backend == "torch" and scaling == "rowwise" and device.type == "cpu":
+        raise ValueError("backend='torch' on CPU: torch's CPU _scaled_mm implements per-tensor scales only (some "
+                         "versions accept row-wise scales, others assert); use backend='emulated'")
+    if backend == "torch" and blockwise and not blockwise_tensor_cores(device):
+        raise ValueError(f"backend='torch' for blockwise FP8 needs a CUDA sm_90 GPU and torch.nn.functional.scaled_mm "
+                         f"(device {device}): use backend='emulated' (or 'triton')")
+    return backend
+
+
+# ----------------------------------------------------------------------------- the rules
+
+
+def _fail(rule: str, got: str, fix: str) -> None:
+    raise FP8LayoutError(f"FP8 GEMM rule '{rule}' broken: {got}. Fix: {fix}")
+
+
+def _is_row_major(t: torch.Tensor) -> bool:
+    rows, cols = t.shape
+    return (t.stride(1) == 1 or cols <= 1) and (t.stride(0) >= max(1, cols) or rows <= 1)
+
+
+def _is_col_major(t: torch.Tensor) -> bool:
+    rows, cols = t.shape
+    return (t.stride(0) == 1 or rows <= 1) and (t.stride(1) >= max(1, rows) or cols <= 1)
+
+
+def check_fp8_gemm(a_data: torch.Tensor, b_data: torch.Tensor, a_fmt: str, b_fmt: str, out_dtype: torch.dtype) -> None:
+    """Raise :class:`FP8LayoutError` unless ``a_data @ b_data`` (uint8 codes) is a valid FP8 tensor-core GEMM."""
+    for name, t in (("A", a_data), ("B", b_data)):
+        if t.dim() != 2:
+            _fail("2-D operands", f"{name} has shape {list(t.shape)}",
+                  "flatten the leading dims first (x.reshape(-1, x.shape[-1]) of a contiguous x)")
+        if t.dtype != torch.uint8:
+            _fail("FP8 codes", f"{name} holds {t.dtype}", "quantize it (codes are stored as uint8)")
+    (m, k), (k2, n) = a_data.shape, b_data.shape
+    if k != k2:
+        _fail("shapes", f"A is [{m}, {k}] and B is [{k2}, {n}]", "B must be [K, N] for A [M, K] (B = W.t())")
+    if a_data.device != b_data.device:
+        _fail("one device", f"A on {a_data.device}, B on {b_data.device}", "move both to one device")
+    if not _is_row_major(a_data):
+        _fail("A row-major", f"A [{m}, {k}] has strides {a_data.stride()} (need (>= {k}, 1))",
+              "pass a contiguous A (a transposed A needs a transposed copy of its codes: a.t().contiguous())")
+    if not _is_col_major(b_data):
+        _fail("B column-major", f"B [{k}, {n}] has strides {b_data.stride()} (need (1, >= {k}))",
+              "pass B = w.t() of the row-major weight w [N, K] (not w.t().contiguous()); a row-major B "
+              "needs a transposed copy of its codes: b.t().contiguous().t()")
+    if k % 16 or n % 16:
+        _fail("K and N multiples of 16", f"K={k}, N={n}", "pad K and N to multiples of 16 with zeros (M is free)")
+    for name, fmt in (("A", a_fmt), ("B", b_fmt)):
+        if fmt not in FP8_DTYPES:
+            _fail("FP8 formats", f"{name} is {fmt!r}", f"use one of {sorted(FP8_DTYPES)}")
+    if a_fmt == "e5m2" and b_fmt == "e5m2":
+        _fail("no E5M2 x E5M2", "both operands are E5M2",
+              "quantize one operand to E4M3 (hybrid recipe: gradients E5M2 x weights/activations E4M3)")
+    if out_dtype not in OUT_DTYPES:
+        _fail("output dtype", f"out_dtype={out_dtype}", f"use one of {list(OUT_DTYPES)}")
+
+
+def _check_tensorwise_scale(name: str, s: torch.Tensor, device) -> None:
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.numel() != 1:
+        got = f"{s.dtype} of shape {list(s.shape)}" if isinstance(s, torch.Tensor) else type(s).__name__
+        _fail("fp32 per-tensor scales", f"scale_{name} is {got}", "pass one fp32 value (0-d, [1] or [1, 1])")
+    if s.device != torch.device(device):
+        _fail("one device", f"scale_{name} on {s.device}, operands on {device}", "move the scale to the operands")
+
+
+def _check_rowwise_scale(name: str, s: torch.Tensor, shape: tuple[int, int], device) -> None:
+    if s.dtype != torch.float32 or tuple(s.shape) != shape or not s.is_contiguous():
+        _fail("row-wise scales", f"scale_{name} is {s.dtype} {list(s.shape)} strides {s.stride()}",
+              f"pass a contiguous fp32 scale_{name} of shape {list(shape)} (scale_a [M, 1], scale_b [1, N])")
+    if s.device != torch.device(device):
+        _fail("one device", f"scale_{name} on {s.device}, operands on {device}", "move the scale to the operands")
+
+
+# ----------------------------------------------------------------------------- the GEMMs
+
+
+def _decode(data: torch.Tensor, fmt: str) -> torch.Tensor:
+    """FP8 codes -> their fp32 values (exact: every FP8 value is an fp32 value)."""
+    return data.view(FP8_DTYPES[fmt]).to(torch.float32)
+
+
+def _scaled_emulated(a_data, a_fmt, b_data, b_fmt, scale_a, scale_b, out_dtype) -> torch.Tensor:
+    """EMULATION: fp32 values of the codes, exact products, fp32 sums, then the scales (as in the epilogue)."""
+    acc = _decode(a_data, a_fmt) @ _decode(b_data, b_fmt)
+    return (acc * scale_a * scale_b).to(out_dtype)
+
+
+def _scaled_torch(a_data, a_fmt, b_data, b_fmt, scale_a, scale_b, out_dtype, use_fast_accum) -> torch.Tensor:
+    a8, b8 = a_data.view(FP8_DTYPES[a_fmt]), b_data.view(FP8_DTYPES[b_fmt])
+    return torch._scaled_mm(a8, b8, scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+
+def fp8_mm(a: Float8Tensor, b: Float8Tensor, *, out_dtype: torch.dtype, use_fast_accum: bool = False,
+           backend: str = "auto") -> torch.Tensor:
+    """``a @ b`` of two per-tensor FP8 tensors: ``a`` [M, K] row-major, ``b`` [K, N] column-major (``w.t()``).
+
+    Uses each tensor's codes (``raw_buffers()["data"]``), ``scale_inv`` and ``meta()["fmt"]``
+    directly: nothing is dequantized. The rules of the module docstring are checked first, on
+    every backend; ``use_fast_accum`` only changes the tensor-core path (the emulation always
+    sums in fp32). Returns a plain tensor of ``out_dtype``.
+    """
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, Float8Tensor):
+            raise TypeError(f"fp8_mm takes per-tensor Float8Tensor operands; {name} is {type(t).__name__} "
+                            "(blockwise tensors: blockwise_mm; raw codes with row scales: fp8_mm_rowwise)")
+    ab, bb = a.raw_buffers(), b.raw_buffers()
+    a_fmt, b_fmt = a.meta()["fmt"], b.meta()["fmt"]
+    check_fp8_gemm(ab["data"], bb["data"], a_fmt, b_fmt, out_dtype)
+    _check_tensorwise_scale("a", ab["scale_inv"], a.device)
+    _check_tensorwise_scale("b", bb["scale_inv"], a.device)
+    be = resolve_backend("tensorwise", backend, a.device)
+    GEMM_CALLS["tensorwise", be] += 1
+    sa, sb = ab["scale_inv"].reshape(()), bb["scale_inv"].reshape(())
+    if be == "torch":
+        return _scaled_torch(ab["data"], a_fmt, bb["data"], b_fmt, sa, sb, out_dtype, use_fast_accum)
+    return _scaled_emulated(ab["data"], a_fmt, bb["data"], b_fmt, sa, sb, out_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowwiseFP8:
+    """FP8 codes with one fp32 scale per row (or per column): what :func:`fp8_mm_rowwise` multiplies."""
+
+    data: torch.Tensor  # uint8 FP8 codes, the input's shape, contiguous
+    scale_inv: torch.Tensor  # fp32 decoding multipliers, size 1 along the quantized dim ([M, 1] for dim=-1)
+    fmt: str  # "e4m3" or "e5m2"
+
+
+def quantize_rowwise(x: torch.Tensor, fmt: str = "e4m3", *, dim: int = -1, pow2: bool = False) -> RowwiseFP8:
+    """Current scaling per row of a 2-D ``x`` (amax over ``dim``): the operand of a row-wise scaled GEMM.
+
+    For A [M, K] use ``dim=-1`` (scales [M, 1]); for a weight W [N, K] also ``dim=-1``, then pass
+    ``data.t()`` and ``scale_inv.t()`` ([1, N]) as B. Scales follow
+    :func:`tutorial_lib.quant.per_tensor.scale_from_amax`, one row at a time (an all-zero row gets
+    a finite scale; a row with NaN/inf becomes NaN).
+    """
+    if x.dim() != 2 or not x.dtype.is_floating_point:
+        raise TypeError(f"quantize_rowwise takes a 2-D floating-point tensor, got {x.dtype} {list(x.shape)}")
+    if fmt not in FP8_DTYPES:
+        raise ValueError(f"fmt must be one of {sorted(FP8_DTYPES)}, got {fmt!r}")
+    xf = x.detach().to(torch.float32)
+    amax = xf.abs().amax(dim=dim, keepdim=True)  # NaN-propagating
+    scale = scale_from_amax(amax, fmt, pow2=pow2)
+    fmax = torch.finfo(FP8_DTYPES[fmt]).max
+    data = (xf * scale).clamp(-fmax, fmax).to(FP8_DTYPES[fmt]).view(torch.uint8).contiguous()
+    return RowwiseFP8(data=data, scale_inv=scale.reciprocal().contiguous(), fmt=fmt)
+
+
+def fp8_mm_rowwise(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: torch.Tensor,
+                   b_scale_inv: torch.Tensor, *, out_dtype: torch.dtype, a_fmt: str = "e4m3", b_fmt: str = "e4m3",
+                   use_fast_accum: bool = False, backend: str = "auto") -> torch.Tensor:
+    """Row-wise scaled ``A @ B``: codes A [M, K] row-major with ``a_scale_inv`` [M, 1], codes B [K, N]
+    column-major with ``b_scale_inv`` [1, N]; ``out[m, n] = a_scale_inv[m] * b_scale_inv[n] * (A @ B)[m, n]``."""
+    check_fp8_gemm(a_data, b_data, a_fmt, b_fmt, out_dtype)
+    m, n = a_data.shape[0], b_data.shape[1]
+    _check_rowwise_scale("a", a_scale_inv, (m, 1), a_data.device)
+    _check_rowwise_scale("b", b_scale_inv, (1, n), a_data.device)
+    be = resolve_backend("rowwise", backend, a_data.device)
+    GEMM_CALLS["rowwise", be] += 1
+    if be == "torch":
+        return _scaled_torch(a_data, a_fmt, b_data, b_fmt, a_scale_inv, b_scale_inv, out_dtype, use_fast_accum)
+    return _scaled_emulated(a_data, a_fmt, b_data, b_fmt, a_scale_inv, b_scale_inv, out_dtype)
+
+
+# ----------------------------------------------------------------------------- blockwise
+
+
+def _check_blockwise(a, w, out_dtype, use_fast_accum: bool) -> str:
+    if not isinstance(a, FP8Blockwise1x128Tensor):
+        raise TypeError(f"blockwise_mm: a must be an FP8Blockwise1x128Tensor (1x128 activation blocks), got "
+                        f"{type(a).__name__}")
+    if not isinstance(w, (FP8Blockwise128x128Tensor, FP8Blockwise1x128Tensor)):
+        raise TypeError(f"blockwise_mm: w must be an FP8Blockwise128x128Tensor (weight tiles) or an "
+                        f"FP8Blockwise1x128Tensor, got {type(w).__name__}")
+    for name, t in (("a", a), ("w", w)):
+        if t.dim() != 2:
+            _fail("2-D operands", f"{name} has shape {list(t.shape)}", "flatten the leading dims first")
+        data, scale = t.raw_buffers()["data"], t.raw_buffers()["scale_inv"]
+        if not (data.is_contiguous() and scale.is_contiguous()):
+            _fail("row-major blockwise operands",
+                  f"{name}'s codes/scales have strides {data.stride()}/{scale.stride()}",
+                  f"quantize a row-major {name} (a transposed blockwise tensor needs its codes and scales "
+                  "transposed: .t().contiguous() of both buffers, exact for 128x128 tiles only)")
+    (m, k), (n, k2) = a.shape, w.shape
+    if k != k2:
+        _fail("shapes", f"a is [{m}, {k}] and w is [{n}, {k2}]", "blockwise_mm computes a @ w.T: w is [N, K]")
+    if a.device != w.device:
+        _fail("one device", f"a on {a.device}, w on {w.device}", "move both to one device")
+    if n % 16:
+        _fail("K and N multiples of 16", f"N={n}", "pad N to a multiple of 16 (K is a multiple of 128 already)")
+    if m % 4:
+        _fail("blockwise M multiple of 4", f"M={m} (cuBLASLt keeps the 1x128 scales M-major, each column of "
+              "them 16-byte aligned)", "pad the rows of a to a multiple of 4")
+    if use_fast_accum:
+        _fail("no fast accumulation with block scales", "use_fast_accum=True",
+              "use_fast_accum=False: block scaling promotes every 128-wide partial sum to fp32 anyway")
+    if out_dtype not in OUT_DTYPES:
+        _fail("output dtype", f"out_dtype={out_dtype}", f"use one of {list(OUT_DTYPES)}")
+    return "1x128x128x128" if isinstance(w, FP8Blockwise128x128Tensor) else "1x128x1x128"
+
+
+def _blockwise_emulated(a_data, a_scale, w_data, w_scale, w_rows_per_scale: int, out_dtype) -> torch.Tensor:
+    """EMULATION: per 128-wide K block, an exact-product fp32 GEMM of the codes, scaled, summed in fp32."""
+    m, k = a_data.shape
+    n = w_data.shape[0]
+    w_scale_rows = w_scale.repeat_interleave(w_rows_per_scale, dim=0) if w_rows_per_scale > 1 else w_scale  # [N, K/128]
+    acc = torch.zeros((m, n), dtype=torch.float32, device=a_data.device)
+    for kb in range(k // _BLOCK):
+        cols = slice(kb * _BLOCK, (kb + 1) * _BLOCK)
+        part = _decode(a_data[:, cols], "e4m3") @ _decode(w_data[:, cols], "e4m3").t()
+        acc += part * a_scale[:, kb : kb + 1] * w_scale_rows[:, kb].unsqueeze(0)
+    return acc.to(out_dtype)
+
+
+def _outer_major(s: torch.Tensor) -> torch.Tensor:
+    """A copy of a [rows, K/128] scale tensor with strides exactly (1, rows), as cuBLASLt's 1x128 scales want
+    (``.t().contiguous().t()`` keeps other strides where a dim has size 1, which torch then refuses)."""
+    out = torch.empty_strided(s.shape, (1, s.shape[0]), dtype=s.dtype, device=s.device)
+    return out.copy_(s)
+
+
+def _blockwise_torch(a_data, a_scale, w_data, w_scale, scaling: str, out_dtype, use_fast_accum) -> torch.Tensor:
+    """cuBLASLt blockwise through F.scaled_mm: scale layouts re-laid out as it requires (see the module docstring)."""
+    st = F.ScalingType
+    kb = a_scale.shape[1]
+    scale_a = _outer_major(a_scale)  # [M, K/128], M-major: strides (1, M)
+    if scaling == "1x128x128x128":  # [N/128, K/128] -> [round_up(K/128, 4), N/128], K-block-major
+        padded = F.pad(w_scale, (0, (-kb) % 4)).contiguous()
+        scale_b, recipe_b = padded.t(), st.BlockWise128x128
+    else:  # 1x128 weight-like operand: [N, K/128], N-major
+        scale_b, recipe_b = _outer_major(w_scale), st.BlockWise1x128
+    a8, b8 = a_data.view(torch.float8_e4m3fn), w_data.view(torch.float8_e4m3fn).t()
+    return F.scaled_mm(a8, b8, scale_a, st.BlockWise1x128, scale_b, recipe_b, output_dtype=out_dtype,
+                       use_fast_accum=use_fast_accum)
+
+
+def blockwise_mm(a: FP8Blockwise1x128Tensor, w, *, out_dtype: torch.dtype = torch.bfloat16,
+                 use_fast_accum: bool = False, backend: str = "auto") -> torch.Tensor:
+    """``a @ w.T`` for FP8 blockwise operands: ``a`` [M, K] with 1x128 blocks, ``w`` [N, K] with 128x128 tiles
+    (the DeepSeek-style forward) or with 1x128 blocks (both operands activation-like: the weight gradient).
+
+    ``w`` is given row-major, as a weight is stored; the GEMM reads it as the column-major B [K, N]
+    (no copy). Per 128-wide K block ``kb``: ``out += a_scale[:, kb] * w_scale[n_block, kb] * (A_kb @ W_kb^T)``.
+    Backends: "torch" (cuBLASLt, sm_90), "triton" (``tutorial_kernels.fp8_gemm``, 1x128 x 128x128 only),
+    "emulated" (the CPU path, an emulation); "auto" picks in that order.
+    """
+    scaling = _check_blockwise(a, w, out_dtype, use_fast_accum)
+    be = resolve_backend(scaling, backend, a.device)
+    GEMM_CALLS[scaling, be] += 1
+    ab, wb = a.raw_buffers(), w.raw_buffers()
+    if be == "torch":
+        return _blockwise_torch(ab["data"], ab["scale_inv"], wb["data"], wb["scale_inv"], scaling, out_dtype,
+                                use_fast_accum)
+    if be == "triton":
+        return fp8_gemm_kernels.blockwise_fp8_gemm(ab["data"], ab["scale_inv"], wb["data"], wb["scale_inv"],
+                                                   out_dtype=out_dtype)
+    rows_per_scale = _BLOCK if scaling == "1x128x128x128" else 1
+    return _blockwise_emulated(ab["data"], ab["scale_inv"], wb["data"], wb["scale_inv"], rows_per_scale, out_dtype)
+
+
+# ----------------------------------------------------------------------------- any other format: emulation
+
+
+def emulated_mm(a: QuantizedTensor, w: QuantizedTensor, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """EMULATION of ``a @ w.T`` for quantized tensors of any format (MXFP8, NVFP4, ...): both dequantized to
+    fp32, multiplied with fp32 accumulation. For formats whose tensor cores this GPU lacks (MXFP8 and NVFP4
+    need sm_100); counted in :data:`GEMM_CALLS` as ``(<layout name>, "emulated")``.
+
+    Unlike :func:`fp8_mm` this DOES dequantize (explicitly, not through a fallback): it is what the
+    hardware would do inside its datapath, done in memory instead. ``w`` is [N, K], row-major like a weight.
+    """
+    for name, t in (("a", a), ("w", w)):
+        if not isinstance(t, QuantizedTensor) or t.dim() != 2:
+            raise TypeError(f"emulated_mm takes 2-D quantized tensors; {name} is {type(t).__name__} "
+                            f"{list(t.shape) if isinstance(t, torch.Tensor) else ''}")
+    if a.shape[1] != w.shape[1]:
+        _fail("shapes", f"a is {list(a.shape)} and w is {list(w.shape)}", "emulated_mm computes a @ w.T: w is [N, K]")
+    if out_dtype not in OUT_DTYPES:
+        _fail("output dtype", f"out_dtype={out_dtype}", f"use one of {list(OUT_DTYPES)}")
+    GEMM_CALLS[f"{type(a).quant_layout.name} x {type(w).quant_layout.name}", "emulated"] += 1
+    return (a.dequantize(torch.float32) @ w.dequantize(torch.float32).t()).to(out_dtype)
