@@ -54,3 +54,14 @@ def test_every_subpackage_is_installed():
 def test_supported_torch_floor_is_declared():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert "torch>=2.8" in project["dependencies"]
+
+
+def test_every_test_folder_is_collected(request):
+    """pytest skips folders matching ``norecursedirs`` (by default also "dist"): none of ours may match."""
+    import fnmatch
+
+    patterns = request.config.getini("norecursedirs")
+    folders = {p.parent for p in (ROOT / "tests").rglob("test_*.py")}
+    skipped = [str(f.relative_to(ROOT)) for f in folders
+               if any(fnmatch.fnmatch(part, pat) for part in f.relative_to(ROOT / "tests").parts for pat in patterns)]
+    assert not skipped, f"test folders pytest would never collect: {skipped}"

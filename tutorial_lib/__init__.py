@@ -32,6 +32,7 @@ rebuild quantized tensors. So behaviour never depends on which module was import
 import tutorial_kernels as _tutorial_kernels  # noqa: E402,F401
 
 from tutorial_lib.dist.checkpoint import load_checkpoint, save_checkpoint
+from tutorial_lib.dist.checkpoint_checks import UnsafeCheckpointError
 from tutorial_lib.dist.checkpoint_dirs import checkpoint_dir
 from tutorial_lib.dist.export import export_fp32_safetensors
 from tutorial_lib.dist.extra_state import QuantizerStates
@@ -120,8 +121,9 @@ __all__ = [
     "BlockMLP", "QLinear", "counter_uniform",
     # dist: launching, meshes, FSDP2, quantized init, checkpoints
     "LaunchError", "LaunchTimeout", "MasterWeights", "QuantizerStates", "RankFailed", "RankMesh", "TrainingState",
-    "UnshardableError", "build_sharded_plain", "build_sharded_quantized", "check_fsdp_shardable", "checkpoint_dir",
-    "count_all_gathers", "environment_report", "export_fp32_safetensors", "fully_shard_blocks",
+    "UnsafeCheckpointError", "UnshardableError", "build_sharded_plain", "build_sharded_quantized",
+    "check_fsdp_shardable", "checkpoint_dir", "count_all_gathers", "environment_report", "export_fp32_safetensors",
+    "fully_shard_blocks",
     "init_optimizer_state", "launch", "load_checkpoint", "materialize_sharded_", "quantize_params_",
     "quantize_params_on_meta_", "rank_device", "resolve_device", "run_sequence", "save_checkpoint", "world_mesh",
     # optim

@@ -1,6 +1,9 @@
 """The launcher's contract: results back in rank order, failures surface fast, nothing left behind."""
 
+import contextlib
+import datetime
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -11,6 +14,7 @@ import pytest
 import rank_functions as rf  # tests/dist/rank_functions.py: pytest puts this folder on sys.path
 import torch
 
+from tutorial_lib.dist import launcher
 from tutorial_lib.dist.launcher import LaunchTimeout, RankFailed, launch, rank_device
 from tutorial_lib.lessons import start_here
 
@@ -158,7 +162,7 @@ def test_concurrent_launches_are_isolated_and_leave_no_temp_files(tmp_path):
         assert list(d.iterdir()) == [], f"launch left files behind in TMPDIR: {list(d.iterdir())}"
 
 
-def test_a_failed_rendezvous_is_retried_once_with_a_fresh_port(tmp_path, monkeypatch, capsys):
+def test_a_failed_rendezvous_is_retried_with_a_fresh_port(tmp_path, monkeypatch, capsys):
     marker = tmp_path / "fault"
     monkeypatch.setenv("TUTORIAL_LAUNCH_FAULT", str(marker))
     out = launch(rf.rank_identity, world_size=2, device="cpu", timeout=120)
@@ -178,3 +182,39 @@ def test_cpu_ranks_share_the_cores(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     out = launch(rf.rank_identity, world_size=2, device="cpu", timeout=120, echo=False)
     assert [r.threads for r in out] == [max(1, (os.cpu_count() or 1) // 2)] * 2
+
+
+def test_a_torch_without_master_listen_fd_gets_a_working_store_and_a_clear_warning(monkeypatch):
+    real, refused = launcher.dist.TCPStore, []
+
+    def store_of_an_older_torch(*args, **kwargs):
+        if "master_listen_fd" in kwargs:
+            refused.append(os.fstat(kwargs["master_listen_fd"]).st_ino)
+            raise TypeError("__init__(): incompatible constructor arguments")
+        return real(*args, **kwargs)
+
+    def open_socket_inodes():
+        inodes = set()
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # the listing's own descriptor is gone by now
+                if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                    inodes.add(os.fstat(int(fd)).st_ino)
+        return inodes
+
+    monkeypatch.setattr(launcher.dist, "TCPStore", store_of_an_older_torch)
+    with pytest.warns(RuntimeWarning, match="listens on ALL network interfaces"):
+        store = launcher._loopback_store(1, datetime.timedelta(seconds=10))
+    store.set("k", "v")
+    assert store.get("k") == b"v" and len(refused) == 1
+    if os.path.isdir("/proc/self/fd"):
+        assert refused[0] not in open_socket_inodes(), "the socket the old store refused was not closed"
+
+
+def test_rank_files_are_created_private_whatever_the_umask(tmp_path):
+    old = os.umask(0)
+    try:
+        with launcher._private_file(str(tmp_path / "rank0.result.part")) as fh:
+            fh.write(b"x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "rank0.result.part").st_mode) == 0o600

@@ -6,7 +6,8 @@ What DCP does with one quantized parameter, and where this module steps in::
             │ staging (async only): StateDictStager deep-copies it: x.new_empty(...) + __dict__ copies
             │ QuantizedSavePlanner.transform_object: a CLEAN tensor (buffers + meta, no quantizer, no attrs)
             ▼ torch.save(chunk) into __<rank>_0.distcp        (the checkpoint never pickles Python objects)
-    load  torch.load(chunk, weights_only=True)                 (needs the safe globals: register_safe_globals)
+    load  .metadata: restricted unpickler (SafeFileSystemReader); non-tensor leaves: weights_only=True too
+          torch.load(chunk, weights_only=True)                 (needs the safe globals: register_safe_globals)
             │ QuantizedLoadPlanner.resolve_tensor: a staging tensor of the chunk's shape, quantizer = a guard
             │ reader: staging.copy_(chunk)          -> raw bytes + scale; anything else would requantize: raise
             ▼ commit_tensor: target's shared (0-d) scale := chunk's scale, then target[view].copy_(staging)
@@ -22,10 +23,17 @@ Why the planners exist (lesson 09 reproduces each):
   per-run state into the file, and the target keeps its own quantizer anyway: quantizer state is
   saved explicitly instead (``tutorial_lib.dist.extra_state``).
 
-Helpers: :func:`save_checkpoint` (sync or async; refuses to overwrite), :func:`load_checkpoint`
-(safe globals, planners, NaN/Inf check naming keys). Re-exported here so one import serves a
+Loading runs no code from the checkpoint: DCP's own reader unpickles ``.metadata`` with plain
+``pickle.load`` and non-tensor leaves (optimizer ``param_groups``) with ``weights_only=False``;
+:func:`load_checkpoint` reads both through allowlists instead and raises
+:class:`UnsafeCheckpointError` naming the item (``tutorial_lib.dist.checkpoint_checks``; ``SECURITY.md``).
+
+Helpers: :func:`save_checkpoint` (sync or async; refuses to overwrite; a directory it creates is
+private, mode 0700), :func:`load_checkpoint` (safe globals, planners, no code run, NaN/Inf check
+naming keys). Re-exported here so one import serves a
 training script: from :mod:`tutorial_lib.dist.checkpoint_checks` :func:`nonfinite_keys`,
-:func:`mismatched_keys`, :func:`uninitialized_memory_as_nan`, :func:`default_safe_globals_only`; from
+:func:`mismatched_keys`, :func:`uninitialized_memory_as_nan`, :func:`default_safe_globals_only`,
+:class:`SafeFileSystemReader`, :class:`UnsafeCheckpointError`; from
 :mod:`tutorial_lib.dist.checkpoint_dirs` :func:`checkpoint_dir`, :class:`CheckpointDir`,
 :func:`shared_checkpoint_dir` (unique, removed on success and failure).
 
@@ -41,6 +49,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import warnings
 
@@ -48,6 +57,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
@@ -56,9 +66,12 @@ from torch.distributed.tensor import DTensor
 
 from tutorial_lib.dist.checkpoint_checks import (
     NonFiniteCheckpointError,
+    SafeFileSystemReader,
+    UnsafeCheckpointError,
     _flatten,
     _raise_if_nonfinite,
     default_safe_globals_only,
+    load_bytes_weights_only,
     mismatched_keys,
     nonfinite_keys,
     uninitialized_memory_as_nan,
@@ -74,7 +87,9 @@ __all__ = [
     "QuantizedLoadPlanner",
     "QuantizedSavePlanner",
     "RequantizeOnLoadError",
+    "SafeFileSystemReader",
     "SharedScaleError",
+    "UnsafeCheckpointError",
     "checkpoint_dir",
     "clean_quantized",
     "default_safe_globals_only",
@@ -185,7 +200,7 @@ def save_checkpoint(state_dict: dict, path: str | os.PathLike, *, mode: str = "s
             f"{path} already holds a checkpoint ({METADATA_FILE} exists); DCP would overwrite its metadata and "
             "leave the other run's shard files next to the new ones. Use a fresh directory (checkpoint_dir())."
         )
-    os.makedirs(path, exist_ok=True)
+    os.makedirs(path, mode=0o700, exist_ok=True)  # private to this user when we create it
     no_dist = not (dist.is_available() and dist.is_initialized())
     kwargs = dict(checkpoint_id=path, planner=QuantizedSavePlanner(), process_group=process_group, no_dist=no_dist)
     if mode == "sync":
@@ -209,13 +224,14 @@ def _unwrapped_errors():
 
     DCP collects every rank's exception into a ``CheckpointException`` -- a ``BaseException``, so
     an ``except Exception:`` around a load does NOT catch it. Our errors (requantize refused,
-    shared scale disagreeing) come back as the ``ValueError`` subclasses they are.
+    shared scale disagreeing, an item that would run code) come back as the ``ValueError``
+    subclasses they are.
     """
     try:
         yield
     except CheckpointException as exc:
         ours = [e for _, (e, _tb) in sorted(exc.failures.items())
-                if isinstance(e, (RequantizeOnLoadError, SharedScaleError, TypeError))]
+                if isinstance(e, (RequantizeOnLoadError, SharedScaleError, UnsafeCheckpointError, TypeError))]
         if ours:
             raise ours[0] from exc
         raise
@@ -254,6 +270,17 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         super().__init__(**kwargs)
         self.requantize = requantize
         self._shared_set: set[str] = set()
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """A non-tensor leaf (optimizer ``param_groups`` values, ...): DCP's default unpickles it with
+        ``weights_only=False``, so any checkpoint could run code here. Ours refuses that
+        (:func:`load_bytes_weights_only`); where the value lands is DCP's own logic."""
+        fqn = read_item.dest_index.fqn
+        value = load_bytes_weights_only(value, fqn)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], value)
+        else:
+            self.state_dict[fqn] = value
 
     def resolve_tensor(self, read_item: ReadItem):
         target = self.lookup_tensor(read_item.dest_index)
@@ -303,15 +330,23 @@ def load_checkpoint(state_dict: dict, path: str | os.PathLike, *, check_finite: 
     ``torch.load(weights_only=True)``), restores quantized chunks with
     :class:`QuantizedLoadPlanner`, then (``check_finite``) raises
     :class:`NonFiniteCheckpointError` naming every key that holds NaN/Inf on any rank.
+
+    Runs no code from the checkpoint: ``.metadata`` goes through :class:`SafeFileSystemReader`, non-tensor
+    leaves through ``weights_only=True``; an item that would need anything else raises
+    :class:`UnsafeCheckpointError` naming it, before any of it runs.
     """
     path = os.fspath(path)
     if not _has_checkpoint(path):
         raise FileNotFoundError(f"no DCP checkpoint at {path} (no {METADATA_FILE}); was the save finished?")
     register_safe_globals()
+    reader = SafeFileSystemReader(path)
+    # Read once up front: inside dcp.load a refused .metadata is only logged, then other files are tried.
+    # Every rank reads the same file, so every rank raises here, before the first collective.
+    reader.read_metadata()
     no_dist = not (dist.is_available() and dist.is_initialized())
     with _unwrapped_errors(), _single_process_quiet(no_dist):
-        dcp.load(state_dict, checkpoint_id=path, planner=QuantizedLoadPlanner(requantize=requantize),
-                 process_group=process_group, no_dist=no_dist)
+        dcp.load(state_dict, checkpoint_id=path, storage_reader=reader,
+                 planner=QuantizedLoadPlanner(requantize=requantize), process_group=process_group, no_dist=no_dist)
     loaded = _resolved(state_dict)
     if not no_dist:
         _share_scales_with_empty_shards(loaded, process_group)

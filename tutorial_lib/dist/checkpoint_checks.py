@@ -1,4 +1,4 @@
-"""Checking what a checkpoint load produced: NaN/Inf that names keys, bitwise comparison, test switches.
+"""Checking what a checkpoint load does and produced: no code run, NaN/Inf that names keys, bitwise comparison.
 
 A load that "worked" can still hand the next step garbage: uninitialised memory written by a
 broken async stage, a NaN scale that turns a whole FP8 tensor into NaN, values that were silently
@@ -10,8 +10,22 @@ requantized. These helpers make each visible::
                                    deterministic instead of plausible stale values
     default_safe_globals_only()    torch.load(weights_only=True) sees a fresh process's allowlist
 
-:func:`tutorial_lib.dist.checkpoint.load_checkpoint` runs the NaN/Inf check after every load, on all
-ranks together (every rank raises the same error, so none is left waiting in a collective).
+And a checkpoint from someone else must not run code when it is loaded. DCP unpickles three things::
+
+    __<rank>_0.distcp  tensor chunks   torch.load(weights_only=True)             (DCP's own reader)
+                       non-tensor      torch.load(weights_only=FALSE)            (DefaultLoadPlanner.load_bytes)
+                       leaves, e.g. optimizer param_groups                       -> load_bytes_weights_only()
+    .metadata          plain pickle.load: any global, any call                  -> SafeFileSystemReader
+
+:func:`load_bytes_weights_only` unpickles a non-tensor leaf with the ``weights_only`` allowlist
+(plain Python types, tensors, and the quantized classes ``tutorial_lib.setup()`` registers);
+:class:`SafeFileSystemReader` reads ``.metadata`` with an unpickler that resolves only DCP's metadata
+dataclasses, ``torch.Size``, dtypes, layouts and paths. Anything else raises
+:class:`UnsafeCheckpointError` naming the item and the global it asked for, BEFORE that global runs.
+
+:func:`tutorial_lib.dist.checkpoint.load_checkpoint` uses both, and runs the NaN/Inf check after
+every load, on all ranks together (every rank raises the same error, so none is left waiting in a
+collective).
 
 Example::
 
@@ -22,11 +36,21 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
+import enum
+import io
+import os
+import pathlib
+import pickle
+import re
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.filesystem as dcp_filesystem
+import torch.distributed.checkpoint.metadata as dcp_metadata
 import torch.utils.deterministic as det
 from torch.distributed.tensor import DTensor
 
@@ -34,7 +58,10 @@ from tutorial_lib.quant.tensor import QuantizedTensor
 
 __all__ = [
     "NonFiniteCheckpointError",
+    "SafeFileSystemReader",
+    "UnsafeCheckpointError",
     "default_safe_globals_only",
+    "load_bytes_weights_only",
     "mismatched_keys",
     "nonfinite_keys",
     "uninitialized_memory_as_nan",
@@ -47,6 +74,105 @@ class NonFiniteCheckpointError(ValueError):
     def __init__(self, message: str, keys: dict[str, str]):
         super().__init__(message)
         self.keys = keys
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint item would need a class or function outside the allowlist to be unpickled: loading it
+    could run code. ``.key`` names the item (a state-dict key, or the ``.metadata`` file)."""
+
+    def __init__(self, message: str, key: str):
+        super().__init__(message)
+        self.key = key
+
+
+# ----------------------------------------------------------------------------- loading without running code
+
+_WHY = re.compile(r"WeightsUnpickler error: (.*?)(?: Please use|$)", re.MULTILINE)
+
+
+def load_bytes_weights_only(value: io.BytesIO, key: str):
+    """Unpickle one non-tensor checkpoint item with ``torch.load(weights_only=True)``, or refuse it.
+
+    Plain Python values (numbers, strings, None, tuples, lists, dicts: what optimizer ``param_groups``
+    hold), tensors and the registered quantized classes load; an item whose pickle names any other
+    global raises :class:`UnsafeCheckpointError` -- the global is never called.
+    """
+    try:
+        return torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = _WHY.search(str(exc))
+        why = found.group(1).strip() if found else str(exc).strip().splitlines()[-1]
+        raise UnsafeCheckpointError(
+            f"checkpoint item {key!r} was refused: {why} Unpickling it could run code, so it was not loaded. "
+            "If you trust the checkpoint's source and the class is plain data, allow it with "
+            "torch.serialization.add_safe_globals([...]).", key,
+        ) from None
+
+
+_METADATA_GLOBALS = {
+    ("torch", "Size"): torch.Size,
+    ("pathlib", "Path"): pathlib.Path,
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "WindowsPath"): pathlib.WindowsPath,
+    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch.serialization", "_get_layout"): getattr(torch.serialization, "_get_layout", None),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): getattr(dcp_filesystem, "_StorageInfo", None),
+}
+
+
+def _metadata_global(module: str, name: str):
+    """What a DCP ``.metadata`` pickle may name: plain-data classes and value lookups, nothing that acts."""
+    obj = _METADATA_GLOBALS.get((module, name))
+    if obj is not None:
+        return obj
+    if module == "torch":  # dtypes, layouts, memory formats pickle as torch.<name>
+        obj = getattr(torch, name, None)
+        return obj if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) else None
+    if module == dcp_metadata.__name__:  # Metadata, TensorStorageMetadata, ChunkStorageMetadata, ...
+        obj = getattr(dcp_metadata, name, None)
+        if isinstance(obj, type) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+            return obj
+    return None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """``pickle`` restricted to :func:`_metadata_global`: every global a pickle names goes through
+    ``find_class``, so a call of anything else is refused before it can happen."""
+
+    def __init__(self, file, where: str):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str):
+        obj = _metadata_global(module, name)
+        if obj is None:
+            raise UnsafeCheckpointError(
+                f"{self.where} was refused: it asks for {module}.{name}, which DCP metadata never holds; "
+                "unpickling it could run code, so it was not loaded", os.path.basename(self.where),
+            )
+        return obj
+
+
+class SafeFileSystemReader(dcp_filesystem.FileSystemReader):
+    """DCP's ``FileSystemReader`` whose ``.metadata`` is read by a restricted unpickler (torch's uses
+    a plain ``pickle.load``: any checkpoint could run code before a single tensor is read)."""
+
+    def read_metadata(self, *args, **kwargs) -> dcp_metadata.Metadata:
+        rank = kwargs.get("rank")
+        path = self._get_metadata_path(rank) if rank is not None else self.fs.concat_path(self.path, ".metadata")
+        with self.fs.create_stream(path, "rb") as fh:
+            metadata = _MetadataUnpickler(fh, str(path)).load()
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata", ".metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+# ----------------------------------------------------------------------------- what a load produced
 
 
 def _flatten(obj, prefix: str = "") -> Iterator[tuple[str, object]]:

@@ -12,12 +12,13 @@ How it works::
 
     caller (Jupyter kernel / pytest)                  rank r (spawned by torch.multiprocessing)
     ───────────────────────────────                   ─────────────────────────────────────────
-    tmp = mkdtemp("tutorial-launch-")                 stdout/stderr (fd 1, 2) -> tmp/rank{r}.log
-    store = TCPStore(port=0)  # OS picks a free port  TMPDIR = tmp/rank{r}.tmp
+    tmp = mkdtemp("tutorial-launch-")  # mode 0700    stdout/stderr (fd 1, 2) -> tmp/rank{r}.log (0600)
+    sock = socket bound to 127.0.0.1:0 (OS picks)     TMPDIR = tmp/rank{r}.tmp (0700)
+    store = TCPStore(master_listen_fd=sock)           GLOO_SOCKET_IFNAME = NCCL_SOCKET_IFNAME = lo
     start_processes(_rank_main, nprocs=world_size) -> init_process_group(store=TCPStore(port),
     poll: tail logs -> print "[rank r] ..." in cell      timeout=collective_timeout)
           ProcessContext.join(): a rank failed?       result = fn(*args, **kwargs)
-          deadline passed? -> terminate, raise        pickle result -> tmp/rank{r}.result
+          deadline passed? -> terminate, raise        pickle result -> tmp/rank{r}.result (0600)
     read results, rmtree(tmp)                         (or traceback -> tmp/rank{r}.error)
                                                       os._exit(0)  # skip gloo's exit-time abort
 
@@ -28,6 +29,16 @@ Design choices, each for a reason ``tests/dist/test_launcher.py`` exercises:
 * **The caller binds the rendezvous port** (``TCPStore`` on port 0), so concurrent launches
   on one machine can never pick the same port, and **each launch has its own temp dir**,
   removed on success and failure alike; ranks' ``TMPDIR`` points inside it.
+* **Every socket of a launch listens on loopback only** (``SECURITY.md``; ``tests/dist/test_security.py``
+  lists the listeners of the caller and every rank during a launch). ``TCPStore("127.0.0.1", 0,
+  is_master=True)`` alone listens on ALL interfaces (``[::]:port``: the host name only tells clients
+  where to connect), so the caller binds a socket to 127.0.0.1 itself and hands it to the store
+  (``master_listen_fd``). Gloo listens on the address the host name resolves to (a LAN address on
+  many machines) or on ``GLOO_SOCKET_IFNAME``; NCCL's bootstrap on ``NCCL_SOCKET_IFNAME`` or on an
+  interface it picks (not loopback while another exists): ranks set both to the loopback interface,
+  overriding the environment (all ranks of a launch share one host).
+* **Private files**: the temp dir is mode 0700 (``mkdtemp``), results and logs 0600; the caller
+  unpickles only the results its own ranks wrote there.
 * **Every rank's output goes to a file the caller tails**: in Jupyter a child's fd 1 is not
   the cell, so output is re-printed by the caller, prefixed with ``[rank r]``.
 * **A short collective timeout** (``collective_timeout``) turns a mismatched collective into
@@ -43,16 +54,17 @@ Design choices, each for a reason ``tests/dist/test_launcher.py`` exercises:
 from __future__ import annotations
 
 import dataclasses
-
 import datetime
 import os
 import pickle
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -138,7 +150,7 @@ def _rank_main(
     sys.stdout.reconfigure(line_buffering=True)
     sys.stderr.reconfigure(line_buffering=True)
     rank_tmp = os.path.join(tmp, f"rank{rank}.tmp")
-    os.makedirs(rank_tmp, exist_ok=True)
+    os.makedirs(rank_tmp, mode=0o700, exist_ok=True)
     os.environ["TMPDIR"] = rank_tmp
     tempfile.tempdir = None
     code = 1
@@ -146,6 +158,9 @@ def _rank_main(
         os.environ.update(
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+            # every rank is on this host: gloo's and NCCL's listening sockets on loopback, whatever the
+            # host name resolves to and whatever the environment names for multi-node runs
+            GLOO_SOCKET_IFNAME=_loopback_interface(), NCCL_SOCKET_IFNAME=_loopback_interface(),
         )
         if device_type == "cuda":
             # before any cuBLAS call: deterministic across streams, so lessons can compare runs bit for bit
@@ -169,19 +184,65 @@ def _rank_main(
             open(os.path.join(tmp, f"rank{rank}.rendezvous_failed"), "w").close()
             raise
         result = _to_cpu(fn(*args, **kwargs))
-        with open(os.path.join(tmp, f"rank{rank}.result.part"), "wb") as fh:
+        with _private_file(os.path.join(tmp, f"rank{rank}.result.part")) as fh:
             pickle.dump(result, fh)
         os.replace(os.path.join(tmp, f"rank{rank}.result.part"), os.path.join(tmp, f"rank{rank}.result"))
         dist.destroy_process_group()
         code = 0
     except BaseException:  # noqa: B036 - KeyboardInterrupt is how the parent's death reaches us
-        with open(os.path.join(tmp, f"rank{rank}.error"), "w") as fh:
-            fh.write(traceback.format_exc())
+        with _private_file(os.path.join(tmp, f"rank{rank}.error")) as fh:
+            fh.write(traceback.format_exc().encode())
         traceback.print_exc()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _private_file(path: str):
+    """A file only this user can read (created with mode 0600; a umask can only narrow it), for binary writing."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
+
+
+def _loopback_interface() -> str:
+    """The loopback interface's name: ``lo`` on Linux, ``lo0`` on macOS and the BSDs."""
+    names = {name for _, name in socket.if_nameindex()}
+    return next((n for n in ("lo", "lo0") if n in names), "lo")
+
+
+# TCPStore's default (libuv) server honours master_listen_fd since pytorch/pytorch#150215 (spring 2025;
+# relied on from torch 2.8, the project's minimum, and verified with 2.13); before, a libuv server handed
+# a socket never accepted connections on it. The legacy server always honoured it.
+_LIBUV_TAKES_LISTEN_FD = torch.__version__ >= (2, 8)
+
+
+def _loopback_store(world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The rendezvous server, listening on 127.0.0.1 only, on a port the OS picked.
+
+    ``TCPStore("127.0.0.1", 0, is_master=True)`` would listen on every interface (``[::]:port``):
+    its host name only tells CLIENTS where to connect. A socket bound to 127.0.0.1 here and passed as
+    ``master_listen_fd`` is what the server listens on instead. The store owns the descriptor from
+    then on (it closes it, also when its construction fails).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    fd = sock.detach()
+    try:
+        return dist.TCPStore("127.0.0.1", port, world_size, True, timeout, wait_for_workers=False,
+                             master_listen_fd=fd, use_libuv=_LIBUV_TAKES_LISTEN_FD)
+    except TypeError:  # a torch whose TCPStore has no master_listen_fd: the argument list was refused
+        os.close(fd)
+    warnings.warn(
+        "this torch's TCPStore takes no master_listen_fd: the launch's rendezvous store listens on ALL "
+        "network interfaces (other machines that can reach this one can connect to it; see SECURITY.md)",
+        RuntimeWarning, stacklevel=4,
+    )
+    return dist.TCPStore("127.0.0.1", 0, world_size, True, timeout, wait_for_workers=False)
 
 
 def _inject_rendezvous_fault(rank: int) -> None:
@@ -319,7 +380,7 @@ def launch(
             if attempt == _RENDEZVOUS_RETRIES:
                 raise exc.error from None
             print(f"[launcher] rendezvous failed before {fn.__qualname__} ran ({exc.error.args[0].splitlines()[-1]}); "
-                  "retrying once with a fresh port", flush=True)
+                  f"retrying with a fresh port ({attempt + 1} of {_RENDEZVOUS_RETRIES} retries)", flush=True)
     raise AssertionError("unreachable")
 
 
@@ -333,16 +394,17 @@ class _RendezvousFailed(Exception):
 
 # gloo's full-mesh connect occasionally fails under heavy load on one machine ("connectFullMesh
 # failed ... Connection closed by peer"); no user code has run then, so one fresh attempt is safe.
-_RENDEZVOUS_RETRIES = 1
+_RENDEZVOUS_RETRIES = 2  # gloo's connectFullMesh can also fail right after a failed attempt, under load
 
 
 def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout, echo) -> list:
     """One attempt: spawn, supervise, collect; see the module docstring for the protocol."""
-    tmp = tempfile.mkdtemp(prefix="tutorial-launch-")
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world_size + 1, True, datetime.timedelta(seconds=collective_timeout),
-        wait_for_workers=False,
-    )
+    tmp = tempfile.mkdtemp(prefix="tutorial-launch-")  # mode 0700: the ranks' results and logs are private
+    try:
+        store = _loopback_store(world_size + 1, datetime.timedelta(seconds=collective_timeout))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     tail = _LogTail(tmp, world_size, echo)
     context = None
     try:
@@ -382,7 +444,7 @@ def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout,
             path = os.path.join(tmp, f"rank{r}.result")
             if not os.path.exists(path):
                 raise _failure_message(tmp, world_size, context, tail)
-            with open(path, "rb") as fh:
+            with open(path, "rb") as fh:  # written by our own rank into our 0700 dir: trusted data
                 results.append(pickle.load(fh))
         return results
     finally:
