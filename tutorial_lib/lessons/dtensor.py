@@ -96,20 +96,20 @@ class UnevenResult:
 
     rows: int  # rows of this rank's local tensor
     expected: tuple[int, int]  # shard_rows(): this rank's row range by torch.chunk
-    full_equal: bool
+    full_equal: bool  # full_tensor() equals the original tensor
 
 
 @dataclasses.dataclass
 class PlacementsResult:
     """:func:`placements_demo` on one rank."""
 
-    rank: int
-    global_tensor: torch.Tensor
-    shard0: LocalShard
-    shard1: LocalShard
-    replicate: LocalShard
-    partial: PartialResult
-    uneven: UnevenResult
+    rank: int  # this rank
+    global_tensor: torch.Tensor  # the tensor every placement distributes
+    shard0: LocalShard  # its local piece under Shard(0)
+    shard1: LocalShard  # ... under Shard(1)
+    replicate: LocalShard  # ... under Replicate()
+    partial: PartialResult  # a Partial(sum) DTensor and its reduction
+    uneven: UnevenResult  # Shard(0) of a tensor whose rows do not divide evenly
 
 
 @dataclasses.dataclass
@@ -117,7 +117,7 @@ class Redistribution:
     """One ``redistribute`` from placement ``src`` to ``dst``."""
 
     src: str  # e.g. "S(0)", "P(sum)"
-    dst: str
+    dst: str  # the target placement, same notation
     comms: dict[str, int]  # collectives it ran
     local_shape: tuple[int, ...]  # this rank's local shape afterwards
     max_err: float  # max |full_tensor() - x|
@@ -127,8 +127,8 @@ class Redistribution:
 class RedistributeResult:
     """:func:`redistribute_demo` on one rank."""
 
-    rank: int
-    rows: list[Redistribution]
+    rank: int  # this rank
+    rows: list[Redistribution]  # one per (src, dst) pair tried
 
 
 @dataclasses.dataclass
@@ -147,10 +147,10 @@ class DispatchStep:
 class QuantizedDTensorResult:
     """:func:`quantized_dtensor_demo` on one rank."""
 
-    rank: int
+    rank: int  # this rank
     local_type: str  # class of the DTensor's local tensor
     scale_inv: torch.Tensor  # this rank's shard scale (the same on every rank: amax all-reduced)
-    steps: list[DispatchStep]
+    steps: list[DispatchStep]  # each op, traced through DTensor and QuantizedTensor dispatch
     full: torch.Tensor  # dt.full_tensor()
     full_equals_reference: bool  # == quantize-dequantize of the whole tensor in one process
 
@@ -159,7 +159,7 @@ class QuantizedDTensorResult:
 class InitPitfallResult:
     """:func:`init_pitfall_demo` on one rank: ``blocks[0].fc1.weight`` initialised three ways."""
 
-    rank: int
+    rank: int  # the rank that returned this result
     naive_local: torch.Tensor  # this rank's shard after manual_seed + nn.init
     naive_full: torch.Tensor  # the gathered naive weight
     fixed_full: torch.Tensor  # the gathered weight after counter-based init

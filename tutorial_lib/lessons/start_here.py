@@ -31,9 +31,9 @@ __all__ = ["AllReduceResult", "allreduce_demo", "fail_on_rank"]
 class AllReduceResult:
     """What one rank of :func:`allreduce_demo` sent and received."""
 
-    rank: int
-    world_size: int
-    device: str
+    rank: int  # this rank
+    world_size: int  # ranks in the launch
+    device: str  # the device this rank computed on, e.g. "cpu" or "cuda:1"
     backend: str  # the process group's backend, e.g. "gloo"
     sent: torch.Tensor  # this rank's contribution: arange(n) * (rank + 1)
     received: torch.Tensor  # the all-reduced sum: arange(n) * world_size * (world_size + 1) / 2

@@ -81,7 +81,7 @@ def _sharded_mlp(seed: int, dtype: torch.dtype, mesh, dev: torch.device) -> nn.M
 class FusedVsTorch:
     """One rank's result of :func:`fsdp2_fused_vs_torch` (parameters in ``model.parameters()`` order)."""
 
-    rank: int
+    rank: int  # the rank that returned this result
     losses: list[tuple[float, float]]  # per step: (torch AdamW's loss, FusedAdam's loss) on this rank's batch
     max_abs_diff_per_step: list[float]  # per step: max |torch param - FusedAdam param| over this rank's shards
     max_abs_param: float  # max |param| over torch's non-empty shards at the end (scales the tolerance)
@@ -139,7 +139,7 @@ def fsdp2_fused_vs_torch(steps: int = 10, lr: float = 1e-2, weight_decay: float 
 class DcpRoundtrip:
     """One rank's result of :func:`fsdp2_dcp_roundtrip` for one parameter dtype."""
 
-    rank: int
+    rank: int  # the rank that returned this result
     dtype: str  # "float32" or "bfloat16" (then FusedAdam keeps fp32 masters)
     losses: list[float]  # steps 3 and 4 of the run that saved the checkpoint after step 2
     resumed_losses: list[float]  # the same steps after loading the checkpoint into a fresh model + optimizer
@@ -206,7 +206,7 @@ def fsdp2_dcp_roundtrip(checkpoint_dir: str, dtype: str = "float32", seed: int =
 class QuantizedStep:
     """One rank's result of :func:`quantized_dtensor_step` (parameter 0: delayed scaling, 1: current)."""
 
-    rank: int
+    rank: int  # the rank that returned this result
     routes: list[str]  # FusedAdam's route per parameter: ["fp8_fused", "requantize"]
     local_rows: int  # rows of this rank's shard (uneven: 9 rows over 2 ranks -> 5 and 4)
     max_master_err: float  # max |FusedAdam master - reference AdamW on the fp32 shard| over all steps
@@ -338,8 +338,8 @@ class OptimizerOverhead:
 class DTensorOverhead:
     """One rank's result of :func:`dtensor_overhead`."""
 
-    rank: int
-    n_params: int
+    rank: int  # the rank that returned this result
+    n_params: int  # parameters stepped (each a DTensor of Shard(0) over the world)
     local_numel: int  # elements of each parameter's local shard
     optimizers: dict[str, OptimizerOverhead]  # by name, in the order asked for
     fused_dtensor_equals_plain: bool  # FusedAdam's steps give bit-identical local values on both kinds

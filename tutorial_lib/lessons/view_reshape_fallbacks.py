@@ -95,10 +95,10 @@ class FlatShardPolicy:
 class FlatShardReport:
     """:func:`fsdp2_flat_shard_report` on one rank: one format, every policy asked for."""
 
-    fmt: str
-    n_layers: int
-    dim: int
-    policies: dict[str, FlatShardPolicy]
+    fmt: str  # registry name of the weight format
+    n_layers: int  # quantized [dim, dim] Linear layers sharded
+    dim: int  # their size
+    policies: dict[str, FlatShardPolicy]  # view policy name -> what FSDP2 kept under it
 
 
 def fallback_view_costs(q: QuantizedTensor) -> FallbackViewCosts:

@@ -1,0 +1,60 @@
+"""What every lesson module promises: its rank functions return module-level result dataclasses
+(picklable, so results come back from spawned ranks), and every field says what it holds (a
+comment beside it, or its name in the class docstring)."""
+
+import dataclasses
+import importlib
+import inspect
+import re
+import typing
+
+import pytest
+
+RANK_FUNCTIONS = {
+    "start_here": ["allreduce_demo"],
+    "fp8_formats_and_scaling": ["track_scaling"],
+    "block_scaled_formats": ["quantization_error"],
+    "view_reshape_fallbacks": ["fallback_view_costs", "fsdp2_flat_shard_report"],
+    "dtensor": ["placements_demo", "redistribute_demo", "quantized_dtensor_demo", "init_pitfall_demo"],
+    "fsdp2_quantized_init": ["allgather_demo", "init_memory_demo", "pitfall_demo", "train_compare",
+                             "allgather_benchmark"],
+    "triton_fused_adam": ["fsdp2_fused_vs_torch", "fsdp2_dcp_roundtrip", "quantized_dtensor_step", "dtensor_overhead"],
+    "fp8_matmuls": ["train_compare_fp8", "step_breakdown"],
+    "dcp_pitfalls": ["checkpoint_run", "load_unsharded", "reshard_load_run"],
+}
+
+
+def _module(name):
+    return importlib.import_module(f"tutorial_lib.lessons.{name}")
+
+
+def _result_types(mod) -> list[type]:
+    return [obj for _, obj in inspect.getmembers(mod, inspect.isclass)
+            if dataclasses.is_dataclass(obj) and obj.__module__ == mod.__name__]
+
+
+def test_every_lesson_module_is_listed():
+    import pkgutil
+
+    import tutorial_lib.lessons as pkg
+
+    assert {m.name for m in pkgutil.iter_modules(pkg.__path__)} == set(RANK_FUNCTIONS)
+
+
+@pytest.mark.parametrize(("module", "name"), [(m, f) for m, fs in RANK_FUNCTIONS.items() for f in fs])
+def test_rank_functions_return_a_result_dataclass(module, name):
+    mod = _module(module)
+    ret = typing.get_type_hints(getattr(mod, name))["return"]
+    assert ret in _result_types(mod), f"{module}.{name} returns {ret}, not one of the module's result dataclasses"
+
+
+@pytest.mark.parametrize("module", RANK_FUNCTIONS)
+def test_every_result_field_is_documented(module):
+    for cls in _result_types(_module(module)):
+        assert cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("), f"{cls.__name__} has no docstring"
+        lines, _ = inspect.getsourcelines(cls)
+        for f in dataclasses.fields(cls):
+            line = next(line for line in lines if re.match(rf"\s+{f.name}: ", line))
+            in_docstring = re.search(rf"``{f.name}``|\b{f.name}\b\s*[:(-]", cls.__doc__)
+            assert re.search(r"#\s*\S", line) or in_docstring, (
+                f"{module}.{cls.__name__}.{f.name} is documented neither by a comment nor in the docstring")
