@@ -1,14 +1,19 @@
-"""What every lesson module promises: its rank functions return module-level result dataclasses
-(picklable, so results come back from spawned ranks), and every field says what it holds (a
-comment beside it, or its name in the class docstring)."""
+"""What every lesson module (and notebook) promises: only public library names are used; its rank
+functions return module-level result dataclasses (picklable, so results come back from spawned
+ranks), and every field says what it holds (a comment beside it, or its name in the docstring)."""
 
+import ast
 import dataclasses
 import importlib
 import inspect
 import re
 import typing
+from pathlib import Path
 
+import nbformat
 import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
 
 RANK_FUNCTIONS = {
     "start_here": ["allreduce_demo"],
@@ -58,3 +63,30 @@ def test_every_result_field_is_documented(module):
             in_docstring = re.search(rf"``{f.name}``|\b{f.name}\b\s*[:(-]", cls.__doc__)
             assert re.search(r"#\s*\S", line) or in_docstring, (
                 f"{module}.{cls.__name__}.{f.name} is documented neither by a comment nor in the docstring")
+
+
+def _private_library_uses(tree: ast.AST) -> list[str]:
+    """``alias._name`` on a name imported from the library, or ``from tutorial_lib... import _name``
+    (dunders such as ``__torch_dispatch__`` are protocol, not private)."""
+    project = ("tutorial_lib", "tutorial_kernels")
+    modules = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+               and (node.module or "").startswith(project) for a in node.names}
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(project):
+            hits += [f"from {node.module} import {a.name}" for a in node.names if a.name.startswith("_")]
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+              and node.attr.startswith("_") and not node.attr.endswith("__")):
+            hits.append(f"{node.value.id}.{node.attr}")
+    return hits
+
+
+@pytest.mark.parametrize("module", RANK_FUNCTIONS)
+def test_lesson_modules_use_public_library_names_only(module):
+    assert _private_library_uses(ast.parse(inspect.getsource(_module(module)))) == []
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebooks_use_public_library_names_only(path):
+    code = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
+    assert _private_library_uses(ast.parse(code)) == []
