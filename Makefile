@@ -1,20 +1,31 @@
-# The two commands of the README. Both set everything up on a fresh machine first.
+# The commands of the README. Each sets up what it needs on a fresh machine first (scripts/bootstrap.sh:
+# reuses the torch you already have, see its header).
 #   make lessons   execute every lesson headless on this machine's hardware -> output/
+#   make lab       open the lessons in JupyterLab
 #   make test      lint + unit tests + every lesson under papermill
 VENV ?= .venv
 PY := $(VENV)/bin/python
 LESSONS ?=
 ARGS ?=
 
-.PHONY: setup lessons test lint strip clean
+.PHONY: setup setup-lab setup-dev lessons lab test lint strip clean
 
 setup:
 	@bash scripts/bootstrap.sh $(VENV)
 
+setup-lab:
+	@bash scripts/bootstrap.sh $(VENV) lab
+
+setup-dev:
+	@bash scripts/bootstrap.sh $(VENV) dev
+
 lessons: setup
 	$(PY) -m tutorial_lib.harness.notebooks run $(LESSONS) $(ARGS)
 
-lint: setup
+lab: setup-lab
+	$(VENV)/bin/jupyter lab notebooks/ $(ARGS)
+
+lint: setup-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 

@@ -36,8 +36,15 @@ import torch
 import tutorial_kernels.adam as k  # first: sets TRITON_INTERPRET=1 on a CPU-only machine
 import tutorial_kernels.adam_tables as kt
 
+from tutorial_lib.harness.bench import (
+    alternating_case,
+    benchmark_device,
+    case,
+    copy_bandwidth_GBps,
+    time_back_to_back,
+    write_results,
+)
 from tutorial_lib.harness.bench import bench_ms as _bench_ms
-from tutorial_lib.harness.bench import benchmark_device, case, copy_bandwidth_GBps, time_back_to_back, write_results
 from tutorial_lib.optim.adamw_reference import adam_bytes_per_element, adam_step_scalars_tensor
 from tutorial_lib.optim.fused_adam import FusedAdam
 from tutorial_lib.quant.float8 import DelayedScaling
@@ -46,11 +53,11 @@ from tutorial_lib.quant.per_tensor import quantize_per_tensor
 CONFIGS = [(1024, 4), (2048, 8), (4096, 8)]  # (BLOCK, num_warps) swept for our kernels
 SMALL_CONFIGS = [(1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]  # the 2,000-tensor case
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
-REPS = {"warmup": 3, "rep": 20}  # CPU wall-clock repetitions (CUDA uses do_bench); --quick lowers them
+REPS = {"warmup": 3, "rep": 20, "rounds": 9}  # CPU wall-clock repetitions (CUDA: do_bench), alternating rounds
 
 
 def bench_ms(fn) -> float:
-    return _bench_ms(fn, **REPS)
+    return _bench_ms(fn, warmup=REPS["warmup"], rep=REPS["rep"])
 
 
 def _free():
@@ -113,16 +120,22 @@ def _ours(sizes, device, configs, **kw) -> tuple[float, dict]:
 
 
 def adamw_case(name, sizes, device, configs, copy, torch_peers=True) -> dict:
-    ours_ms, info = _ours(sizes, device, configs)
-    peers = {}
+    """The sweep picks FusedAdam's config; then FusedAdam and torch's AdamW (fused, foreach) step
+    the same values in alternating rounds (``alternating_case``): medians and spreads."""
+    _, info = _ours(sizes, device, configs)
+    block, warps = (int(x.split("=")[1]) for x in info["config"].split(","))
+    opts = {"ours": FusedAdam(_params(sizes, device), **HP, block=block, num_warps=warps, master_weights=True)}
     if torch_peers:
-        peers["torch AdamW fused"] = _step_ms(lambda ps: torch.optim.AdamW(ps, **HP, fused=True), sizes, device)
-        peers["torch AdamW foreach"] = _step_ms(lambda ps: torch.optim.AdamW(ps, **HP, foreach=True), sizes, device)
+        opts["torch AdamW fused"] = torch.optim.AdamW(_params(sizes, device), **HP, fused=True)
+        opts["torch AdamW foreach"] = torch.optim.AdamW(_params(sizes, device), **HP, foreach=True)
     n = sum(sizes)
-    c = case(name, ours_ms, peers=peers, nbytes=adam_bytes_per_element(4, 4) * n, copy_GBps=copy)
+    c = alternating_case(name, opts.pop("ours").step, {k: o.step for k, o in opts.items()},
+                         nbytes=adam_bytes_per_element(4, 4) * n, copy_GBps=copy, rounds=REPS["rounds"])
+    del opts
+    _free()
     c.update(info)
-    if "torch AdamW fused" in peers:
-        c["speedup_vs_torch_fused"] = round(peers["torch AdamW fused"] / ours_ms, 3)
+    if "torch AdamW fused" in c["peers"]:
+        c["speedup_vs_torch_fused"] = round(c["peers"]["torch AdamW fused"] / c["ours_ms"], 3)
     return c
 
 
@@ -157,17 +170,23 @@ def fp8_case(name, sizes, device, configs, copy) -> dict:
     best = min(sweep, key=sweep.get)
     # correctness of what was timed: bytes of the last launch == quantize(master, scale)
     assert torch.equal(outs[0], quantize_per_tensor(masters[0], scales[0], "e4m3")), "FP8 bytes differ"
+    block, warps = (int(x.split("=")[1]) for x in best.split(","))
+    tables = kt.build_tables(masters, ms, vs, grad_dtype=torch.bfloat16, outs=outs, out_kind="fp8",
+                             scale_invs=invs, fp8_format="e4m3", block=block)
+    kt.set_grads(tables, addresses)
     peers = {"torch AdamW fused (fp32 grads) + per-tensor torch cast": _torch_fp8_peer(masters, grads, scales)}
-    del masters, grads, ms, vs, outs, tables
+    ours = lambda t=tables: k.launch_adamw(t, hyper, scales=scales, num_warps=warps, **HP)  # noqa: E731
+    c = alternating_case(name, ours, peers,
+                         nbytes=adam_bytes_per_element(0, 2, out_bytes=1, master=True) * sum(sizes), copy_GBps=copy,
+                         rounds=REPS["rounds"])
+    del masters, grads, ms, vs, outs, tables, peers, ours
     _free()
-    c = case(name, sweep[best], peers=peers,
-             nbytes=adam_bytes_per_element(0, 2, out_bytes=1, master=True) * sum(sizes), copy_GBps=copy)
     c.update({"config": best, "sweep_ms": sweep})
     c["fused_adam_step_incl_amax_history_ms"] = _fp8_optimizer_ms(sizes, device)
     return c
 
 
-def _torch_fp8_peer(masters, grads, scales) -> float:
+def _torch_fp8_peer(masters, grads, scales):
     params = [torch.nn.Parameter(m.clone()) for m in masters]
     for p, g in zip(params, grads):
         p.grad = g.float()
@@ -178,8 +197,7 @@ def _torch_fp8_peer(masters, grads, scales) -> float:
         for p, s in zip(params, scales):
             quantize_per_tensor(p.detach(), s, "e4m3")
 
-    step()
-    return bench_ms(step)  # params and state are freed with this frame (the caller runs _free)
+    return step  # the caller times it next to ours, then drops it (params and state go with it)
 
 
 def _fp8_optimizer_ms(sizes, device) -> float:
@@ -213,7 +231,7 @@ def main(argv=None) -> None:
     if args.quick:
         big, small, configs = _split(60_000, 6), _split(40_000, 20), [(4096, 4)]
         small_configs = configs
-        REPS.update(warmup=1, rep=3)
+        REPS.update(warmup=1, rep=3, rounds=2)
         out = args.out or tempfile.mkdtemp(prefix="bench-adam-")
     else:
         big, small, configs, small_configs = _split(805_000_000, 108), _split(98_000_000, 2000), CONFIGS, SMALL_CONFIGS

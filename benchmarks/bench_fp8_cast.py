@@ -30,14 +30,15 @@ import tutorial_kernels.fp8_cast as k  # first: sets TRITON_INTERPRET=1 on a CPU
 
 import tutorial_lib.quant.per_tensor as ref
 from tutorial_lib.harness.bench import (
+    alternating_case,
     bench_ms,
     benchmark_device,
-    case,
     copy_bandwidth_GBps,
-    eager_and_compiled_ms,
+    eager_and_compiled_fns,
     write_results,
 )
 
+ROUNDS = 9  # alternating rounds of ours and the peers (tutorial_lib.harness.bench.time_rounds); --quick: 2
 CONFIGS = [(2048, 4), (4096, 4), (4096, 8), (8192, 8), (16384, 16)]  # (BLOCK, num_warps) swept per case
 
 
@@ -61,7 +62,7 @@ def run(n: int, device: torch.device, compile_peers: bool, configs, fmt: str = "
     delayed_scale = truth.scale * 0.75  # any scale: delayed scaling uses last step's
 
     def peers_of(fn, *args, **kwargs):
-        return eager_and_compiled_ms(fn, *args, equal=_equal, compiled=compile_peers, record=compile_matches,
+        return eager_and_compiled_fns(fn, *args, equal=_equal, compiled=compile_peers, record=compile_matches,
                                      **kwargs)
 
     def check(ours, expect, name):
@@ -73,9 +74,11 @@ def run(n: int, device: torch.device, compile_peers: bool, configs, fmt: str = "
     compile_matches: dict[str, bool] = {}  # does torch.compile reproduce the eager reference's bytes?
     minimum = 3 * n  # 2 B read + 1 B written per element
 
-    def add(name, ours_fn, peers, traffic, nbytes=minimum):
-        ms, cfg = _best(ours_fn, configs)
-        c = case(name, ms, peers=peers, nbytes=nbytes, copy_GBps=copy)
+    def add(name, ours_fn, peer_fns, traffic, nbytes=minimum):
+        _, cfg = _best(ours_fn, configs)  # the sweep picks the config; then ours and peers take turns
+        c = alternating_case(name, lambda: ours_fn(block=cfg[0], num_warps=cfg[1]), peer_fns, nbytes=nbytes,
+                             copy_GBps=copy, rounds=ROUNDS)
+        ms = c["ours_ms"]
         c.update({"traffic_bytes": traffic, "config": {"BLOCK": cfg[0], "num_warps": cfg[1]},
                   "fraction_of_copy_at_traffic": round(traffic / (ms * 1e-3) / 1e9 / copy, 4)})
         print(f"{name:58s} {ms:8.3f} ms  {c['fraction_of_copy']:6.1%} of copy  peers {c['peers']}  {c['config']}",
@@ -129,6 +132,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results; --quick: a temp dir)")
     args = p.parse_args()
     device = benchmark_device(args.quick)
+    global ROUNDS
+    ROUNDS = 2 if args.quick else ROUNDS
     n = args.n or (1 << 16 if args.quick else 1 << 30)
     configs = CONFIGS if device.type == "cuda" else [k.default_block()]
     out = args.out or (tempfile.mkdtemp(prefix="bench_fp8_cast-") if args.quick else "benchmarks/results")

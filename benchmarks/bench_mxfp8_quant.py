@@ -28,15 +28,16 @@ import torch
 import tutorial_kernels.mxfp8_quant as k  # first: sets TRITON_INTERPRET=1 on a CPU-only machine
 
 from tutorial_lib.harness.bench import (
+    alternating_case,
     bench_ms,
     benchmark_device,
-    case,
     copy_bandwidth_GBps,
-    eager_and_compiled_ms,
+    eager_and_compiled_fns,
     write_results,
 )
 from tutorial_lib.quant.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 
+ROUNDS = 9  # alternating rounds of ours and the peers (tutorial_lib.harness.bench.time_rounds); --quick: 2
 # (ROWS blocks of 32 per program, num_warps) swept on GPU; None = the kernel's autotuner.
 CONFIGS = [None, (32, 2), (64, 4), (128, 4), (128, 8), (256, 8), (512, 8)]
 
@@ -67,12 +68,14 @@ def run(shape, device: torch.device, compile_peers: bool, configs) -> tuple[list
     minimum = 3 * n + n // 32
 
     def peers_of(fn, *args, **kwargs):
-        return eager_and_compiled_ms(fn, *args, equal=_equal, compiled=compile_peers, record=compile_matches,
+        return eager_and_compiled_fns(fn, *args, equal=_equal, compiled=compile_peers, record=compile_matches,
                                      key=f"{fn.__name__} {kwargs}", **kwargs)
 
-    def add(name, ours_fn, peers):
-        ms, cfg = _best(ours_fn, configs)
-        c = case(name, ms, peers=peers, nbytes=minimum, copy_GBps=copy)
+    def add(name, ours_fn, peer_fns):
+        _, cfg = _best(ours_fn, configs)  # the sweep picks the config; then ours and peers take turns
+        cfg_kw = {} if cfg.get("autotuned") else cfg
+        c = alternating_case(name, lambda: ours_fn(**cfg_kw), peer_fns, nbytes=minimum, copy_GBps=copy, rounds=ROUNDS)
+        ms, peers = c["ours_ms"], c["peers"]
         c["config"] = cfg
         faster = all(ms < v for v in peers.values())
         print(f"{name:44s} {ms:8.3f} ms  {c['fraction_of_copy']:6.1%} of copy  peers {c['peers']}  {cfg}  "
@@ -107,6 +110,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results; --quick: a temp dir)")
     args = p.parse_args()
     device = benchmark_device(args.quick)
+    global ROUNDS
+    ROUNDS = 2 if args.quick else ROUNDS
     shape = (args.rows or 64, 1024) if args.quick else (args.rows or 32768, 32768)
     configs = CONFIGS if device.type == "cuda" else [None]
     out = args.out or (tempfile.mkdtemp(prefix="bench_mxfp8_quant-") if args.quick else "benchmarks/results")

@@ -26,10 +26,20 @@ vectorised when every tensor's size is a multiple of 4: the mask then comes in r
 
 Kernel variants (compile-time flags of the one kernel)::
 
-    OUT="none"  weight = fp32 param (or a fp32 master whose quantized param is requantized later)
-    OUT="lowp"  weight = fp32 master, out = bf16/fp16 param rounded from the new master (RNE)
-    OUT="fp8"   weight = fp32 master, out = FP8 bytes of master * scale[t], scale_inv = 1 / scale[t],
-                amax[t] = max|master|   (delayed scaling: the scale is known before the pass)
+    OUT="none"       weight = fp32 param (or a fp32 master whose quantized param is requantized later)
+    OUT="lowp"       weight = fp32 master, out = bf16/fp16 param rounded from the new master (RNE)
+    OUT="fp8"        weight = fp32 master, out = FP8 bytes of master * scale[t], scale_inv = 1 / scale[t],
+                     amax[t] = max|master|   (delayed scaling: the scale is known before the pass)
+    OUT="mxfp8"      weight = fp32 master, out = E4M3 bytes + one E8M0 scale per 32 elements, computed
+                     from the new master in registers (a block's scale needs only its own 32 values)
+    OUT="fp8_1x128"  the same with one fp32 scale_inv per 128 elements (FP8 blockwise 1x128)
+
+The block formats load a chunk as a [BLOCK / G, G] tile (G = 32 or 128 elements per scale), so a
+row's amax is a register reduction; the bytes equal ``quantize_mxfp8`` / ``quantize_fp8_blockwise``
+of the master (tested). Per-step scalars come in ``hyper``: ``[2, T]`` (step_size,
+bias_correction2_sqrt; the decay ``1 - lr * wd`` a launch argument) or ``[3, T]`` with the decay as
+row 2 -- what ``tutorial_kernels.adam_capturable`` writes on the device, so a CUDA graph of the
+step reads this step's learning rate instead of the one it was captured with.
 
 Example::
 
@@ -119,11 +129,47 @@ def adamw_math(w, g, m, v, step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_
 
 
 @triton.jit
+def _block_requantize(w, o_ptr, s_ptr, offs, mask, rows, row_mask, OUT: tl.constexpr, RULE: tl.constexpr):
+    """E4M3 bytes and per-row scales of a [R, G] tile of new fp32 masters (one row = one block).
+
+    MXFP8 (G = 32), as ``tutorial_lib.quant.mxfp8.quantize_mxfp8``: e = floor(log2 amax) - 8 (rceil:
+    +1 when amax's mantissa exceeds 1.75), bytes of w * 2**-e, scale byte e + 127. FP8 1x128 (G =
+    128), as ``quantize_fp8_blockwise``: scale_inv = amax / 448 (pow2: rounded up to a power of
+    two; 1 for an all-zero block), bytes of w / scale_inv. A block holding NaN/inf: NaN bytes
+    (0x7F) and a NaN scale (E8M0 code 255 / fp32 NaN), as the references."""
+    amax_bits = tl.max(w.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # NaN > inf > finite
+    nonfinite = amax_bits >= 0x7F800000
+    if OUT == "mxfp8":
+        e = (amax_bits >> 23) - 127 - 8
+        if RULE == "rceil":
+            e += ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+        e = tl.minimum(tl.maximum(e, -127), 127)
+        inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
+        q = encode_fp8(w * inv[:, None], "e4m3")
+        code = tl.where(nonfinite, 255, e + 127).to(tl.uint8)
+    else:
+        amax = amax_bits.to(tl.float32, bitcast=True)
+        s = tl.math.div_rn(amax, 448.0)
+        if RULE == "pow2":  # 2**ceil(log2 s) from the bits, clamped to [-127, 127] (2**-127 is subnormal)
+            sb = s.to(tl.int32, bitcast=True)
+            e = ((sb >> 23) & 0xFF) - 127 + ((sb & 0x7FFFFF) != 0).to(tl.int32)
+            e = tl.minimum(tl.maximum(e, -127), 127)
+            s = tl.where(e == -127, 0x00400000, tl.maximum(e + 127, 1) << 23).to(tl.float32, bitcast=True)
+        s = tl.where(amax_bits == 0, 1.0, s)
+        s = tl.where(s == 0.0, tl.full(s.shape, 0x00400000, tl.int32).to(tl.float32, bitcast=True), s)
+        q = encode_fp8(tl.math.div_rn(w, s[:, None]), "e4m3")
+        code = tl.where(nonfinite, float("nan"), s)
+    q = tl.where(nonfinite[:, None], 0x7F, q).to(tl.uint8)
+    tl.store(o_ptr + offs, q, mask=mask)
+    tl.store(s_ptr + rows, code, mask=row_mask)
+
+
+@triton.jit
 def _adam_chunk(
     w_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, mask,
     step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps, scale,
     W_DTYPE: tl.constexpr, OUT: tl.constexpr, OUT_DTYPE: tl.constexpr, FP8_FMT: tl.constexpr,
-    EVEN: tl.constexpr,
+    EVEN: tl.constexpr, s_ptr=None, rows=None, row_mask=None, RULE: tl.constexpr = "",
 ):
     """Update one chunk (``mask`` is None for a full chunk). Returns the chunk's max |new weight| as
     fp32 BITS (int32 order: NaN > inf > finite, as scaling.amax), 0 unless OUT == "fp8".
@@ -154,6 +200,8 @@ def _adam_chunk(
         if not EVEN:
             bits = tl.where(mask, bits, 0)
         amax_bits = tl.max(bits, 0)
+    elif OUT == "mxfp8" or OUT == "fp8_1x128":  # bytes + per-block scales of the new master, same pass
+        _block_requantize(w, o_ptr, s_ptr, offs, mask, rows, row_mask, OUT, RULE)
     return amax_bits
 
 
@@ -164,6 +212,8 @@ def _adam_multi_tensor_kernel(
     W_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, OUT: tl.constexpr, OUT_DTYPE: tl.constexpr,
     FP8_FMT: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr,
     W_BYTES: tl.constexpr, G_BYTES: tl.constexpr, O_BYTES: tl.constexpr, NUMEL_VEC: tl.constexpr,
+    GROUP: tl.constexpr = 1, RULE: tl.constexpr = "", S_DTYPE: tl.constexpr = tl.uint8,
+    HYPER_DECAY: tl.constexpr = False,
 ):
     c = tl.program_id(0)
     t = tl.load(chunks_ptr + c)
@@ -173,7 +223,12 @@ def _adam_multi_tensor_kernel(
         n = tl.load(table_ptr + _R_NUMEL * T + t)
         chunk = tl.load(chunks_ptr + C + c)
         start = chunk.to(tl.int64) * BLOCK
-        offs = start + tl.arange(0, BLOCK)
+        if GROUP > 1:  # block formats: a [BLOCK / GROUP, GROUP] tile, one block per row
+            rows = start // GROUP + tl.arange(0, BLOCK // GROUP)
+            offs = rows[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        else:
+            rows = start
+            offs = start + tl.arange(0, BLOCK)
         # int64 addresses from the table -> typed pointers
         w_ptr = tl.load(table_ptr + _R_WEIGHT * T + t).to(tl.pointer_type(W_DTYPE))
         g_ptr = g_addr.to(tl.pointer_type(G_DTYPE))
@@ -190,6 +245,12 @@ def _adam_multi_tensor_kernel(
             o_ptr = tl.multiple_of(o_ptr, O_BYTES * _VEC)
         step_size = tl.load(hyper_ptr + t)
         bc2_sqrt = tl.load(hyper_ptr + T + t)
+        if HYPER_DECAY:  # written on the device this step (capturable step): lr may have changed
+            decay = tl.load(hyper_ptr + 2 * T + t)
+        if GROUP > 1:  # the tensor's per-block scales
+            s_ptr = tl.load(table_ptr + _R_SCALE_INV * T + t).to(tl.pointer_type(S_DTYPE))
+        else:
+            s_ptr = o_ptr
         scale = 1.0
         if OUT == "fp8":
             scale = tl.load(scale_ptr + t)
@@ -199,7 +260,7 @@ def _adam_multi_tensor_kernel(
         if start + BLOCK <= n:  # a full chunk: no mask, vectorised
             amax_bits = _adam_chunk(w_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, None,
                                     step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps, scale,
-                                    W_DTYPE, OUT, OUT_DTYPE, FP8_FMT, True)
+                                    W_DTYPE, OUT, OUT_DTYPE, FP8_FMT, True, s_ptr, rows, None, RULE)
             if OUT == "fp8":
                 tl.atomic_max(amax_ptr + t, amax_bits, sem="relaxed")
         elif start < n:  # the tensor's last, partial chunk
@@ -209,7 +270,7 @@ def _adam_multi_tensor_kernel(
                 n = (n // _VEC) * _VEC
             amax_bits = _adam_chunk(w_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, offs < n,
                                     step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps, scale,
-                                    W_DTYPE, OUT, OUT_DTYPE, FP8_FMT, False)
+                                    W_DTYPE, OUT, OUT_DTYPE, FP8_FMT, False, s_ptr, rows, rows * GROUP < n, RULE)
             if OUT == "fp8":
                 tl.atomic_max(amax_ptr + t, amax_bits, sem="relaxed")
         # else: an empty FP8 tensor's only chunk, there just to store scale_inv
@@ -245,7 +306,8 @@ def launch_adamw(
     """Run one multi-tensor AdamW step over ``tables``: ONE kernel launch.
 
     ``hyper`` is the fp32 ``[2, T]`` table of per-tensor ``step_size`` and ``bias_correction2_sqrt``
-    (:func:`adam_step_scalars_tensor`) on the tables' device. FP8 tables
+    (:func:`adam_step_scalars_tensor`) on the tables' device, or ``[3, T]`` with the decay
+    ``1 - lr * weight_decay`` as row 2 (then ``lr`` and ``weight_decay`` are not read). FP8 tables
     take ``scales`` (fp32 [T], the scale in force per tensor); ``tables.amax`` is reset here and
     holds max|new master| per tensor afterwards.
     """
@@ -254,8 +316,8 @@ def launch_adamw(
         raise ValueError("the Triton Adam kernels run on CPU tensors only in Triton's interpreter "
                          "(TRITON_INTERPRET=1 before triton is imported; set by default on machines without a "
                          "GPU); on this machine, put the parameters and optimizer state on the GPU")
-    if hyper.shape != (2, tables.n_tensors) or hyper.dtype != torch.float32:
-        raise ValueError(f"hyper must be fp32 [2, {tables.n_tensors}], got {hyper.dtype} {tuple(hyper.shape)}")
+    if hyper.shape[1:] != (tables.n_tensors,) or hyper.shape[0] not in (2, 3) or hyper.dtype != torch.float32:
+        raise ValueError(f"hyper must be fp32 [2 or 3, {tables.n_tensors}], got {hyper.dtype} {tuple(hyper.shape)}")
     if (tables.out == "fp8") != (scales is not None):
         raise ValueError("scales are required for FP8 tables and only for them")
     if scales is not None and (scales.shape != (tables.n_tensors,) or scales.dtype != torch.float32):
@@ -270,11 +332,13 @@ def launch_adamw(
         tables.amax_bits if tables.amax_bits is not None else tables.chunks,
         1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2, eps,
         W_DTYPE=_TL_DTYPES[tables.w_dtype], G_DTYPE=_TL_DTYPES[tables.g_dtype], OUT=tables.out,
-        OUT_DTYPE={"lowp": _TL_DTYPES.get(tables.out_dtype), "fp8": tl.uint8}.get(tables.out, tl.float32),
+        OUT_DTYPE=_TL_DTYPES.get(tables.out_dtype) if tables.out == "lowp" else tl.float32 if tables.out == "none"
+        else tl.uint8,
         FP8_FMT=tables.fp8_format or "e4m3", BLOCK=tables.block,
         ALIGNED=tables.static_aligned and tables.grads_aligned, W_BYTES=tables.w_dtype.itemsize,
         G_BYTES=tables.g_dtype.itemsize, O_BYTES=tables.out_dtype.itemsize if tables.out_dtype else 4,
-        NUMEL_VEC=tables.numels_vec,
+        NUMEL_VEC=tables.numels_vec, GROUP=tables.group, RULE=tables.block_rule or "",
+        S_DTYPE=tl.float32 if tables.out in ("fp8", "fp8_1x128") else tl.uint8, HYPER_DECAY=hyper.shape[0] == 3,
         num_warps=num_warps,
     )
 

@@ -5,7 +5,8 @@ device tables tell each program of the grid where to work::
 
     chunks  int32 [2, C]   row 0: tensor id t of chunk c    row 1: chunk index inside tensor t
     table   int64 [7, T]   rows: numel | weight | grad | exp_avg | exp_avg_sq | out | scale_inv
-                           (rows 1-6 hold raw addresses: data_ptr() of each tensor, 0 = none)
+                           (rows 1-6 hold raw addresses: data_ptr() of each tensor, 0 = none;
+                           block formats: out = the element bytes, scale_inv = the per-block scales)
 
 :func:`build_tables` validates one bucket of tensors and writes the tables once (:class:`AdamTables`);
 per step only the grad row changes, written by :func:`set_grads` when autograd hands out new
@@ -36,8 +37,12 @@ from tutorial_kernels import interpreted
 
 ROW_NUMEL, ROW_WEIGHT, ROW_GRAD, ROW_EXP_AVG, ROW_EXP_AVG_SQ, ROW_OUT, ROW_SCALE_INV = range(7)
 N_ROWS = 7
-OUT_KINDS = ("none", "lowp", "fp8")
+OUT_KINDS = ("none", "lowp", "fp8", "mxfp8", "fp8_1x128")
 FP8_FORMATS = ("e4m3", "e5m2")
+BLOCK_OUTS = {"mxfp8": (32, torch.uint8, ("floor", "rceil")), "fp8_1x128": (128, torch.float32, ("amax", "pow2"))}
+"""Block formats the kernel requantizes in the same pass: elements per scale, scale dtype, scale rules
+(MXFP8: E8M0 exponent rounding of ``tutorial_lib.quant.mxfp8``; FP8 1x128: ``amax / 448``, or that
+rounded up to a power of two, as ``tutorial_lib.quant.blockwise``)."""
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 """Weight and grad dtypes the kernel reads (fp32 masters; bf16/fp16 weights without one)."""
 
@@ -104,6 +109,12 @@ class AdamTables:
     static_aligned: bool  # weight, state and out addresses all 16-byte aligned
     numels_vec: bool = False  # every numel a multiple of 4: the partial last chunks vectorise too
     grads_aligned: bool = False
+    block_rule: str | None = None  # block formats: the scale rule (BLOCK_OUTS)
+
+    @property
+    def group(self) -> int:
+        """Elements per scale of a block format (1 otherwise)."""
+        return BLOCK_OUTS[self.out][0] if self.out in BLOCK_OUTS else 1
 
     @property
     def n_tensors(self) -> int:
@@ -138,14 +149,18 @@ def build_tables(
     scale_invs: list[torch.Tensor] | None = None,
     fp8_format: str | None = None,
     block: int | None = None,
+    block_rule: str | None = None,
 ) -> AdamTables:
     """Validate one bucket of tensors and write their addresses into device tables (once).
 
     ``weights`` are fp32 params/masters (or bf16/fp16 params updated without a master). ``outs``
     are the bf16/fp16 params (``out_kind="lowp"``) or the uint8 FP8 byte buffers (``"fp8"``, with
-    one fp32 ``scale_invs`` scalar each, rewritten by the kernel, and ``fp8_format``). Empty tensors
-    may be included: they get no chunk (FP8: one chunk that only stores scale_inv). Grad addresses
-    are filled per step by :func:`set_grads`.
+    one fp32 ``scale_invs`` scalar each, rewritten by the kernel, and ``fp8_format``). Block
+    formats (``"mxfp8"``, ``"fp8_1x128"``, see :data:`BLOCK_OUTS`) take the uint8 element bytes as
+    ``outs``, the contiguous per-block scale buffers (one scale per 32 / 128 consecutive elements)
+    as ``scale_invs`` and the scale rule as ``block_rule``. Empty tensors may be included: they get
+    no chunk (FP8: one chunk that only stores scale_inv). Grad addresses are filled per step by
+    :func:`set_grads`.
     """
     if out_kind not in OUT_KINDS:
         raise ValueError(f"out_kind must be one of {OUT_KINDS}, got {out_kind!r}")
@@ -156,11 +171,19 @@ def build_tables(
         raise ValueError("weights, exp_avgs, exp_avg_sqs (and outs) need one entry per tensor")
     if (out_kind == "none") != (outs is None):
         raise ValueError(f"out_kind={out_kind!r} {'needs' if outs is None else 'takes no'} outs")
-    if (out_kind == "fp8") != (scale_invs is not None) or (out_kind == "fp8") != (fp8_format is not None):
-        raise ValueError("scale_invs and fp8_format are required with out_kind='fp8' and only then")
+    if (out_kind == "fp8") != (fp8_format is not None) or (out_kind in ("none", "lowp")) != (scale_invs is None):
+        raise ValueError("scale_invs and fp8_format: scale_invs are required with out_kind 'fp8' and the block "
+                         "formats and only then, fp8_format with 'fp8' only")
     if out_kind == "fp8" and (fp8_format not in FP8_FORMATS or len(scale_invs) != n):
         raise ValueError(f"fp8_format must be one of {FP8_FORMATS} with one scale_inv per tensor")
-    block = block or default_block(max(w.numel() for w in weights))
+    group, scale_dtype = 1, torch.float32
+    if out_kind in BLOCK_OUTS:
+        group, scale_dtype, rules = BLOCK_OUTS[out_kind]
+        if block_rule not in rules or scale_invs is None or len(scale_invs) != n:
+            raise ValueError(f"out_kind={out_kind!r} needs block_rule in {rules} and one scale buffer per tensor")
+    elif block_rule is not None:
+        raise ValueError(f"block_rule is for the block formats {tuple(BLOCK_OUTS)} only")
+    block = max(block or default_block(max(w.numel() for w in weights)), group)
     if block & (block - 1) or block < 16:
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     device = weights[0].device
@@ -172,7 +195,7 @@ def build_tables(
     out_dtype = None
     if outs is not None:
         out_dtype = outs[0].dtype
-        allowed = (torch.bfloat16, torch.float16) if out_kind == "lowp" else (torch.uint8,)
+        allowed = (torch.bfloat16, torch.float16) if out_kind == "lowp" else (torch.uint8,)  # fp8, block formats
         if out_dtype not in allowed:
             raise TypeError(f"out_kind={out_kind!r} writes {allowed}, got {out_dtype}")
     rows = [[0] * n for _ in range(N_ROWS)]
@@ -192,10 +215,14 @@ def build_tables(
             rows[row][i] = raw_address(x, f"tensor {i} {name}")
         if scale_invs is not None:
             s = scale_invs[i]
-            if s.numel() != 1 or s.dtype != torch.float32 or s.device != device:
-                raise ValueError(f"tensor {i} scale_inv: need one fp32 value on {device}, "
+            want = 1 if out_kind == "fp8" else k // group
+            if k % group:
+                raise ValueError(f"tensor {i}: {k} elements is not a multiple of the {group}-element {out_kind} block")
+            if s.numel() != want or s.dtype != scale_dtype or s.device != device:
+                raise ValueError(f"tensor {i} scale_inv: need {want} {scale_dtype} value(s) on {device}, "
                                  f"got {s.dtype} {tuple(s.shape)} on {s.device}")
-            rows[ROW_SCALE_INV][i] = raw_address(s, f"tensor {i} scale_inv")
+            if want:
+                rows[ROW_SCALE_INV][i] = raw_address(s, f"tensor {i} scale_inv")
         rows[ROW_NUMEL][i] = k
         numels.append(k)
     addresses = [a for r in (ROW_WEIGHT, ROW_EXP_AVG, ROW_EXP_AVG_SQ, ROW_OUT) for a in rows[r]]
@@ -205,7 +232,7 @@ def build_tables(
         amax_bits=torch.zeros(n, dtype=torch.int32, device=device) if out_kind == "fp8" else None,
         numels=numels, w_dtype=w_dtype, g_dtype=grad_dtype, out=out_kind, out_dtype=out_dtype,
         fp8_format=fp8_format, block=block, static_aligned=all(a % 16 == 0 for a in addresses),
-        numels_vec=all(k % 4 == 0 for k in numels),
+        numels_vec=all(k % 4 == 0 for k in numels), block_rule=block_rule,
     )
 
 

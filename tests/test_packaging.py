@@ -16,7 +16,10 @@ def _name(req: str) -> str:
 
 def test_environment_yml_matches_pyproject():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    wanted = {_name(r): r for r in project["dependencies"] + project["optional-dependencies"]["dev"]}
+    extras = project["optional-dependencies"]
+    assert f"{project['name']}[lab]" in extras["dev"], "dev includes lab (the browser test needs JupyterLab)"
+    wanted = {_name(r): r for r in project["dependencies"] + extras["lab"] + extras["dev"]
+              if _name(r) != project["name"]}
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
     deps = env["dependencies"]
     assert any(str(d).startswith("python") for d in deps) and "pip" in deps

@@ -35,7 +35,7 @@ def readme_commands() -> list[str]:
 EXERCISED = {
     "make lessons": "test_make_lessons",
     "make test": "ci",
-    ".venv/bin/jupyter lab notebooks/": "test_jupyter_lab_is_installed_with_the_kernel",
+    "make lab": "test_make_lab",
     ".venv/bin/python -m tutorial_lib.harness.notebooks run notebooks/00_start_here.ipynb --device cpu "
     "--world-size 2 --quick":
         "test_run_one_lesson_cli",
@@ -78,9 +78,13 @@ def test_make_lessons(tmp_path):
     assert "1 passed, 0 failed" in r.stdout
 
 
-def test_jupyter_lab_is_installed_with_the_kernel():
-    r = _run(f"{VENV_BIN}/jupyter lab --version")
-    assert r.returncode == 0 and re.match(r"\d+\.\d+", r.stdout.strip()), r.stdout + r.stderr
+def test_make_lab():
+    """``make lab`` sets up JupyterLab and starts it on notebooks/ (here with --version, which exits)."""
+    venv = Path(sys.prefix)
+    r = _run(f"make lab VENV={venv} ARGS=--version")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"{venv}/bin/jupyter lab notebooks/ --version" in r.stdout, r.stdout
+    assert re.search(r"^\d+\.\d+", r.stdout.strip().splitlines()[-1]), r.stdout
     r = _run(f"{VENV_BIN}/jupyter kernelspec list --json")
     assert r.returncode == 0 and '"python3"' in r.stdout, r.stdout + r.stderr
 
@@ -103,7 +107,7 @@ def test_papermill_command(tmp_path):
 
 def test_gpu_commands(tmp_path):
     run_cmd = next(c for c in EXERCISED if "--device cuda --world-size 2 --full" in c)
-    if GPU and torch.cuda.device_count() >= 2:
+    if GPU:  # with one GPU the lessons' ranks run on CPU (rank_placement): the command works there too
         r = _run(_venv(run_cmd) + f" --out {tmp_path}", timeout=3600)
         assert r.returncode == 0, r.stdout + r.stderr
         return

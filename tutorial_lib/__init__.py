@@ -10,6 +10,7 @@ The sub-packages read as the course's table of contents, bottom layer first::
     tutorial_lib.models  counter-based (shard-exact) init, BlockMLP (dequantize-on-use or FP8-GEMM linears)
     tutorial_lib.dist    launcher and mesh, FSDP2 all-gather hooks, quantized init, checkpointing
     tutorial_lib.optim   the AdamW reference and FusedAdam (Triton)
+    tutorial_lib.train   the end-to-end loop: a transformer on real text, every format, exact resume, torchrun
     tutorial_lib.lessons one module per lesson: its rank functions and experiments (nothing imports it)
 
 A module imports only from its own layer and the layers listed above it here (``dist`` and
@@ -53,7 +54,13 @@ from tutorial_lib.dist.quantized_init import (
     quantize_params_,
     quantize_params_on_meta_,
 )
-from tutorial_lib.dist.runtime import environment_report, resolve_device
+from tutorial_lib.dist.runtime import (
+    RankPlacement,
+    environment_report,
+    rank_placement,
+    require_world_size,
+    resolve_device,
+)
 from tutorial_lib.dist.training_state import TrainingState, init_optimizer_state
 from tutorial_lib.harness.bench import bench_ms, track_peak_memory
 from tutorial_lib.harness.checks import check, check_close, check_equal
@@ -63,6 +70,7 @@ from tutorial_lib.models import BlockMLP, QLinear, counter_uniform
 from tutorial_lib.optim.adamw_reference import adamw_reference_step_
 from tutorial_lib.optim.fused_adam import FusedAdam
 from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer, FP8Blockwise1x128Tensor, FP8Blockwise128x128Tensor
+from tutorial_lib.quant.conversion import nominal_dtype_casts
 from tutorial_lib.quant.fallback import (
     FALLBACKS,
     REQUANTIZES,
@@ -100,6 +108,9 @@ from tutorial_lib.quant.tensor import (
     register_safe_globals,
 )
 from tutorial_lib.quant.view_policy import RawBytes, allow_flat_views, flat_raw_bytes, install_view_policy, view_policy
+from tutorial_lib.train.data import TextData
+from tutorial_lib.train.loop import TrainConfig, TrainResult, train_model
+from tutorial_lib.train.transformer import Transformer, TransformerConfig
 
 __version__ = "0.1.0"
 
@@ -112,7 +123,7 @@ __all__ = [
     "MXFP8Quantizer", "MXFP8Tensor", "NVFP4Quantizer", "NVFP4Tensor", "NVFP4Tensor16x16", "QuantizedTensor",
     "RawBytes", "all_values", "allow_flat_views", "amax", "cast_current_scaling", "cast_delayed_scaling", "copy_into",
     "decode", "dequantize_per_tensor", "encode", "flat_raw_bytes", "get_format_info", "is_quantized", "local_tensor",
-    "make_quantizer", "quantize_per_tensor", "recipe", "scale_from_amax", "view_policy",
+    "make_quantizer", "nominal_dtype_casts", "quantize_per_tensor", "recipe", "scale_from_amax", "view_policy",
     # quant: what happens to ops without a quantized handler
     "FALLBACKS", "REQUANTIZES", "QuantizedFallbackError", "QuantizedViewError", "fallback_mode", "strict_dispatch",
     # matmul: scaled FP8 GEMMs and the FP8 linear layer
@@ -120,7 +131,8 @@ __all__ = [
     # models
     "BlockMLP", "QLinear", "counter_uniform",
     # dist: launching, meshes, FSDP2, quantized init, checkpoints
-    "LaunchError", "LaunchTimeout", "MasterWeights", "QuantizerStates", "RankFailed", "RankMesh", "TrainingState",
+    "LaunchError", "LaunchTimeout", "MasterWeights", "QuantizerStates", "RankFailed", "RankMesh", "RankPlacement",
+    "TrainingState", "rank_placement", "require_world_size",
     "UnsafeCheckpointError", "UnshardableError", "build_sharded_plain", "build_sharded_quantized",
     "check_fsdp_shardable", "checkpoint_dir", "count_all_gathers", "environment_report", "export_fp32_safetensors",
     "fully_shard_blocks",
@@ -128,6 +140,8 @@ __all__ = [
     "quantize_params_on_meta_", "rank_device", "resolve_device", "run_sequence", "save_checkpoint", "world_mesh",
     # optim
     "FusedAdam", "adamw_reference_step_",
+    # train: the end-to-end loop (python -m tutorial_lib.train)
+    "TextData", "TrainConfig", "TrainResult", "Transformer", "TransformerConfig", "train_model",
     # harness
     "bench_ms", "check", "check_close", "check_equal", "track_peak_memory",
 ]

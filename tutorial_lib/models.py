@@ -203,13 +203,19 @@ def local_rows(param: torch.Tensor) -> tuple[int, int]:
 
 
 def init_range(module: nn.Module, param_name: str) -> tuple[float, float]:
-    """``(low, high)`` of the uniform init of ``module.<param_name>`` (nn.Linear / nn.LayerNorm defaults)."""
+    """``(low, high)`` of the uniform init of ``module.<param_name>``: nn.Linear / nn.LayerNorm / nn.RMSNorm
+    defaults; nn.Embedding U(-sqrt(3), sqrt(3)) (unit variance like its default N(0, 1); a counter-based
+    generator draws uniforms)."""
     if isinstance(module, nn.Linear):
         bound = 1.0 / math.sqrt(module.in_features)  # kaiming_uniform(a=sqrt(5)) == U(+-1/sqrt(fan_in))
         if param_name in ("weight", "bias"):
             return -bound, bound
     if isinstance(module, nn.LayerNorm):
         return {"weight": (1.0, 1.0), "bias": (0.0, 0.0)}[param_name]
+    if isinstance(module, nn.RMSNorm) and param_name == "weight":
+        return 1.0, 1.0
+    if isinstance(module, nn.Embedding) and param_name == "weight":
+        return -math.sqrt(3.0), math.sqrt(3.0)  # unit variance, as nn.Embedding's N(0, 1)
     raise TypeError(f"no init rule for {type(module).__name__}.{param_name}; add one to init_range")
 
 

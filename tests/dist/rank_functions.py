@@ -57,3 +57,15 @@ def report_pid_then_hang(pid_dir: str, seconds: float = 3600.0) -> None:
     with open(os.path.join(pid_dir, f"{dist.get_rank()}.pid"), "w") as fh:
         fh.write(str(os.getpid()))
     time.sleep(seconds)
+
+
+def fail_while_others_wait(bad_rank: int, stamp_path: str, seconds: float = 600.0) -> None:
+    """Rank ``bad_rank`` raises (writing the time of the raise to ``stamp_path`` first); every other
+    rank is stuck in a call that never notices a dead peer, as a rank waiting in an NCCL collective
+    is (gloo notices a closed connection; NCCL waits until its timeout)."""
+    dist.barrier()
+    if dist.get_rank() == bad_rank:
+        with open(stamp_path, "w") as fh:
+            fh.write(repr(time.time()))
+        raise RuntimeError(f"rank {bad_rank} failed in a collective phase")
+    time.sleep(seconds)

@@ -74,6 +74,19 @@ def test_killed_rank_fails_fast_and_names_signal():
     assert time.monotonic() - start < 30
 
 
+def test_a_rank_failing_while_the_others_wait_for_it_fails_the_launch_at_once(tmp_path):
+    """The others are stuck where NCCL ranks would be (a wait that never notices the dead peer): the
+    launch must not sit out torch's grace periods (3 s + 3 s with the old setting; measured 3.1 s
+    from the raise to RankFailed), let alone the collective timeout (60 s here). Now ~0.6 s."""
+    stamp = tmp_path / "raised-at"
+    with pytest.raises(RankFailed) as info:
+        launch(rf.fail_while_others_wait, world_size=2, device="cpu", args=(1, str(stamp)), timeout=120,
+               collective_timeout=60, echo=False)
+    after_raise = time.time() - float(stamp.read_text())
+    assert info.value.rank == 1 and "rank 1 failed in a collective phase" in str(info.value)
+    assert after_raise < 2.5, f"{after_raise:.2f} s from the raise to RankFailed"
+
+
 def test_hanging_rank_times_out_and_every_child_is_reaped(tmp_path):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()

@@ -1,8 +1,13 @@
 """Every lesson runs headless under papermill, and the harness cannot be fooled.
 
 Runs on whatever ``--nb-device``/``--nb-world-size`` select (see conftest.py): 2 CPU ranks with
-``TRITON_INTERPRET=1`` in CI, all GPUs with ``TUTORIAL_DEVICE=cuda`` on a GPU node.
+``TRITON_INTERPRET=1`` in CI, ``max(2, GPUs)`` ranks with ``TUTORIAL_DEVICE=cuda`` on a GPU node (CPU
+ranks for the distributed cells when there are fewer GPUs than ranks). Every lesson that launches ranks
+also runs on one rank, or refuses it at its first cell when its claims need more.
 """
+
+import json
+import re
 
 import nbformat
 import pytest
@@ -12,11 +17,14 @@ from tutorial_lib.harness.notebooks import (
     LessonFailed,
     has_outputs,
     lessons,
+    min_world_size,
     run_lesson,
     verify_executed,
 )
 
 LESSONS = lessons()
+ONE_RANK = [p for p in LESSONS if min_world_size(p) == 1]
+NEED_MORE = [p for p in LESSONS if (min_world_size(p) or 0) > 1]
 
 
 @pytest.mark.notebook
@@ -29,6 +37,73 @@ def test_lesson_runs(path, nb_settings):
     assert run.checks_passed >= 1
 
 
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", ONE_RANK, ids=[p.stem for p in ONE_RANK])
+def test_lesson_runs_on_one_rank(path, nb_settings):
+    """The lessons that accept one rank run meaningfully on one (the common one-GPU machine)."""
+    try:
+        run = run_lesson(path, DEFAULT_OUT / "test-notebooks-1rank", **{**nb_settings, "world_size": 1})
+    except LessonFailed as exc:
+        pytest.fail(str(exc), pytrace=False)
+    assert run.parameters["world_size"] == 1 and run.checks_passed >= 1
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NEED_MORE, ids=[p.stem for p in NEED_MORE])
+def test_lesson_refuses_fewer_ranks_at_its_first_cell(path, nb_settings):
+    """Below its minimum a lesson stops before any work, naming the minimum -- not deep inside."""
+    need = min_world_size(path)
+    with pytest.raises(LessonFailed) as info:
+        run_lesson(path, DEFAULT_OUT / "test-notebooks-too-few", **{**nb_settings, "world_size": need - 1})
+    msg = str(info.value)
+    assert f"this lesson needs world_size >= {need}" in msg, msg[-2000:]
+    failing_source = msg.split("--- cell source ---", 1)[1].split("--- traceback ---", 1)[0]
+    assert "require_world_size(" in failing_source and "launch(" not in failing_source, msg[-2000:]
+
+
+def _call_arguments(src: str, name: str) -> list[str]:
+    """The argument text of every ``name(...)`` call in ``src`` (balanced parentheses)."""
+    calls = []
+    for m in re.finditer(rf"\b{name}\(", src):
+        depth, i = 1, m.end()
+        while depth and i < len(src):
+            depth += {"(": 1, ")": -1}.get(src[i], 0)
+            i += 1
+        calls.append(src[m.end():i - 1])
+    return calls
+
+
+def _code(nb) -> list[str]:
+    return [c.source for c in nb.cells if c.cell_type == "code"]
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=[p.stem for p in LESSONS])
+def test_lesson_declares_where_its_ranks_run(path):
+    """A lesson that launches ranks declares its minimum, places them with ``rank_placement`` (so a
+    one-GPU machine runs them on CPU ranks; a one-rank launch may use the lesson's device) and, when it
+    needs several, checks before the first launch."""
+    nb = nbformat.read(path, as_version=4)
+    code = _code(nb)
+    launches = [i for i, src in enumerate(code) if _call_arguments(src, "launch")]
+    need = min_world_size(path)
+    if not launches:
+        assert need is None, f"{path.name} launches no ranks but declares tutorial.min_world_size"
+        return
+    assert need is not None and need >= 1, f"{path.name} launches ranks: set metadata tutorial.min_world_size"
+    params = next(c.source for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+    assert "rank_device =" in params, f"{path.name}: the parameters cell lacks rank_device"
+    assert any("rank_placement(device, world_size, quick, rank_device)" in src for src in code[:launches[0]])
+    for i in launches:
+        for call in _call_arguments(code[i], "launch"):
+            flat = call.replace(" ", "")
+            placed = re.search(r"device=\w+\.device\b", flat)  # a RankPlacement's device
+            assert placed or "world_size=1," in flat, (
+                f"{path.name}: launch({call}) neither runs on a rank_placement(...).device nor on one rank")
+    if need > 1:
+        checks = [i for i, src in enumerate(code) if f"require_world_size(world_size, {need}," in src]
+        assert checks and checks[0] < launches[0], f"{path.name}: require_world_size(world_size, {need}, ...) first"
+
+
 def test_there_are_lessons():
     assert LESSONS and LESSONS[0].name == "00_start_here.ipynb"
 
@@ -39,6 +114,8 @@ def test_lesson_is_committed_clean_and_well_formed(path):
         f"{path.name} carries outputs: run `python -m tutorial_lib.harness.notebooks strip {path}`")
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
+    raw = json.loads(path.read_text(encoding="utf-8"))  # as committed (a reader may add missing ids)
+    assert all(cell.get("id") for cell in raw["cells"]), "every cell needs an id (JupyterLab adds them on open)"
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
     first = nb.cells[0]
     assert first.cell_type == "markdown" and "what you will learn" in first.source.lower()

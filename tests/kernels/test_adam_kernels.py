@@ -297,17 +297,28 @@ sig = {"chunks_ptr": "*i32", "C": "i32", "table_ptr": "*i64", "T": "i32", "hyper
        "scale_ptr": "*fp32", "amax_ptr": "*i32", "decay": "fp32", "lerp_w": "fp32", "beta2": "fp32",
        "one_minus_beta2": "fp32", "eps": "fp32"}
 out = {}
-for name, g, o, odt in (("fp32", tl.float32, "none", tl.float32), ("bf16_master", tl.bfloat16, "lowp", tl.bfloat16),
-                        ("fp8", tl.bfloat16, "fp8", tl.uint8)):
+variants = (("fp32", tl.float32, "none", tl.float32, {}), ("bf16_master", tl.bfloat16, "lowp", tl.bfloat16, {}),
+            ("fp8", tl.bfloat16, "fp8", tl.uint8, {}),
+            ("mxfp8", tl.bfloat16, "mxfp8", tl.uint8, {"GROUP": 32, "RULE": "floor"}),
+            ("fp8_1x128", tl.bfloat16, "fp8_1x128", tl.uint8, {"GROUP": 128, "RULE": "pow2", "S_DTYPE": tl.float32}),
+            ("fp32_device_decay", tl.float32, "none", tl.float32, {"HYPER_DECAY": True}))
+for name, g, o, odt, extra in variants:
     for aligned in ((False, True) if name == "fp32" else (True,)):
         consts = {"W_DTYPE": tl.float32, "G_DTYPE": g, "OUT": o, "OUT_DTYPE": odt, "FP8_FMT": "e4m3",
                   "BLOCK": 2048, "ALIGNED": aligned, "W_BYTES": 4, "G_BYTES": g.primitive_bitwidth // 8,
-                  "O_BYTES": odt.primitive_bitwidth // 8, "NUMEL_VEC": aligned}
+                  "O_BYTES": odt.primitive_bitwidth // 8, "NUMEL_VEC": aligned, "GROUP": 1, "RULE": "",
+                  "S_DTYPE": tl.uint8, "HYPER_DECAY": False, **extra}
         src = ASTSource(fn=k._adam_multi_tensor_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
                         constexprs=consts)
         asm = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm
         out[f"{name}_{aligned}"] = asm["ptx"]
         out[f"{name}_{aligned}_layout_conversions"] = asm["ttgir"].count("convert_layout")
+import tutorial_kernels.adam_capturable as kc
+sig = {"steps_ptr": "*fp32", "index_ptr": "*i64", "active_ptr": "*fp32", "group_ptr": "*fp64", "table_ptr": "*fp64",
+       "S": "i32", "hyper_ptr": "*fp32", "n": "i32", "HAS_INDEX": "constexpr", "BLOCK": "constexpr"}
+src = ASTSource(fn=kc._step_scalars_kernel, signature=sig, constexprs={"HAS_INDEX": True, "BLOCK": 1024})
+out["step_scalars"] = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                     options={"num_warps": 4, "enable_fp_fusion": False}).asm["ptx"]
 json.dump(out, sys.stdout)
 """
 
@@ -335,6 +346,17 @@ def test_kernel_compiles_for_sm90_and_vectorises_when_aligned(compile_ptx):
     assert "acq_rel" not in ptx["fp8_True"], "the amax atomic needs no memory ordering"
     # sizes multiple of 4 (NUMEL_VEC): the masked last chunk of each tensor is vectorised as well
     assert "st.global.b32" not in ptx["fp32_True"], "the partial last chunk still stores element by element"
+    # the fused block requantize: a [BLOCK/G, G] tile, fp32 state streams still 16-byte accesses
+    for name in ("mxfp8", "fp8_1x128"):
+        assert ptx[f"{name}_True"].count("ld.global.v4") >= 12, f"{name}: loads are not vectorised"
+        assert "cvt.rn.satfinite.e4m3x2" in ptx[f"{name}_True"], f"{name}: no hardware FP8 conversion"
+    assert "div.rn.f32" in ptx["fp8_1x128_True"]  # x / scale_inv and amax / 448 as torch divides
+    # device-side decay: read per tensor from the scalars table, not a launch argument
+    assert ptx["fp32_device_decay_True"].count("ld.global.v4") >= 12
+    # the capturable step scalars: IEEE float64 division, no fused multiply-add (the host computes
+    # 1 - lr * wd with two roundings), one rounding to fp32 each
+    assert "div.rn.f64" in ptx["step_scalars"] and "fma.rn.f64" not in ptx["step_scalars"]
+    assert "cvt.rn.f32.f64" in ptx["step_scalars"]
 
 
 def test_host_to_device_copies_arrive_in_order():

@@ -23,9 +23,14 @@ RANK_FUNCTIONS = {
     "dtensor": ["placements_demo", "redistribute_demo", "quantized_dtensor_demo", "init_pitfall_demo"],
     "fsdp2_quantized_init": ["allgather_demo", "init_memory_demo", "pitfall_demo", "train_compare",
                              "allgather_benchmark"],
+    "fsdp2_late_swap": ["late_swap_demo"],
     "triton_fused_adam": ["fsdp2_fused_vs_torch", "fsdp2_dcp_roundtrip", "quantized_dtensor_step", "dtensor_overhead"],
+    "fused_adam_pitfalls": ["unwrap_pitfall", "raw_pointer_route", "loss_went_down", "master_seeding_drift"],
     "fp8_matmuls": ["train_compare_fp8", "step_breakdown"],
     "dcp_pitfalls": ["checkpoint_run", "load_unsharded", "reshard_load_run"],
+    "dcp_formats": ["format_matrix_run"],
+    "benchmarks": ["amax_reduce_compare", "fsdp2_step_profile", "collective_cost"],
+    "end_to_end_training": ["train_runs", "main_grad_pitfall", "accumulation_check"],
 }
 
 

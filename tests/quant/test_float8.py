@@ -200,16 +200,18 @@ def test_clone_and_contiguous_copy_the_bytes(memory_format):
         assert q.contiguous().is_contiguous() and type(q.contiguous()) is Float8Tensor
 
 
-def test_to_copy_keeps_bytes_and_changes_only_the_nominal_dtype():
+def test_to_device_keeps_bytes_and_a_float_dtype_returns_plain_values():
     q = _q()
-    with strict_dispatch():
-        b = q.to(torch.bfloat16)
+    with strict_dispatch():  # none of these is a fallback
         m = q.to("meta")  # a device change (the only other device on a CPU machine)
-        same = q.to(torch.float32)
-    assert type(b) is Float8Tensor and b.dtype == torch.bfloat16 and torch.equal(b._data, q._data)
-    assert torch.equal(b.dequantize(), q.dequantize(torch.float32).to(torch.bfloat16))
+        b = q.to(torch.bfloat16)
+        f = q.float()  # the dtype q already reports: torch's .to would return q itself
     assert type(m) is Float8Tensor and m.device.type == "meta" and m._data.device.type == "meta"
-    assert same is q  # torch short-circuits a no-op .to()
+    assert type(b) is torch.Tensor and torch.equal(b, q.dequantize(torch.bfloat16))
+    assert type(f) is torch.Tensor and f is not q and torch.equal(f, q.dequantize(torch.float32))
+    relabelled = q.with_nominal_dtype(torch.bfloat16)
+    assert type(relabelled) is Float8Tensor and relabelled.dtype == torch.bfloat16 and relabelled._data is q._data
+    assert torch.equal(relabelled.dequantize(), q.dequantize(torch.float32).to(torch.bfloat16))
 
 
 def test_to_a_non_float_dtype_is_a_fallback():

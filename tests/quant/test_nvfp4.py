@@ -179,13 +179,47 @@ def test_fsdp_padding_pattern_is_bit_exact():
     assert torch.equal(padded[:5].dequantize(), shard.dequantize()) and padded[5:].dequantize().eq(0).all()
 
 
-def test_pickle_save_load_and_deepcopy_drop_the_group(tmp_path):
-    q = NVFP4Quantizer(block=(16, 16)).quantize(_w((32, 32)))
-    q.quantizer.group = object()  # stands for a ProcessGroup (unpicklable)
-    for r in (pickle.loads(pickle.dumps(q)), copy.deepcopy(q)):
-        assert type(r) is NVFP4Tensor16x16 and r.quantizer.group is None
-        assert torch.equal(r.dequantize(), q.dequantize())
+@pytest.fixture
+def gloo_group(tmp_path):
+    """A real one-rank gloo ProcessGroup (no global default group needed)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    return dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=10))
+
+
+def test_group_rule_is_the_fp8_quantizers_one_deepcopy_shares_pickle_refuses(tmp_path, gloo_group):
+    """One rule for every shard-shared scale (tutorial_lib.quant.scale_group): a deep copy keeps
+    reducing over the shard group; an unpickled quantizer refuses to quantize (it would otherwise
+    compute a local global scale, different on every rank) until a group is attached again."""
+    w = _w((32, 32))
+    q = NVFP4Quantizer(block=(16, 16), group=gloo_group).quantize(w)
+    d = copy.deepcopy(q)
+    assert d.quantizer.group is gloo_group and not d.quantizer.group_dropped
+    d.copy_(w * 3)  # requantizes through the group's all-reduce
     register_safe_globals()
     torch.save(q, tmp_path / "q.pt")
-    r = torch.load(tmp_path / "q.pt", weights_only=True)
-    assert torch.equal(r.dequantize(), q.dequantize()) and r.quantizer.block == (16, 16)
+    for r in (pickle.loads(pickle.dumps(q)), torch.load(tmp_path / "q.pt", weights_only=True)):
+        assert type(r) is NVFP4Tensor16x16 and torch.equal(r.dequantize(), q.dequantize())
+        assert r.quantizer.group is None and r.quantizer.group_dropped and r.quantizer.block == (16, 16)
+        with pytest.raises(RuntimeError, match="dropped when it was pickled"):
+            r.copy_(w * 2)
+        r.quantizer.set_group(None)  # scaling locally is a decision, not an accident
+        r.copy_(w * 2)
+        assert torch.equal(r.dequantize(), NVFP4Quantizer(block=(16, 16)).quantize(w * 2).dequantize())
+    assert q.quantizer.group is gloo_group  # the live tensor keeps its group
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares CPU and CUDA bytes: needs CUDA")
+@pytest.mark.parametrize("block", [(1, 16), (16, 16)])
+def test_cpu_and_cuda_write_the_same_bytes(block):
+    """The global and block scales are true divisions on both devices (CUDA's ``tensor / python_scalar``
+    is a multiplication by the fp32 reciprocal, 1 ulp off for some amaxes): same codes and scales."""
+    for seed in range(50):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(64, 128, generator=g) * torch.exp(torch.randn(64, 1, generator=g) * 3)
+        for a, b in zip(quantize_nvfp4(x, block), quantize_nvfp4(x.cuda(), block)):
+            assert torch.equal(a, b.cpu()), f"seed {seed}"

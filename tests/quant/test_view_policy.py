@@ -38,7 +38,7 @@ def _policy_installed():
 
 
 def _q(fmt="mxfp8", shape=(128, 256), seed=50):
-    return make_quantizer(fmt).quantize(_weights(shape, seed)).to(torch.bfloat16)
+    return make_quantizer(fmt).quantize(_weights(shape, seed)).with_nominal_dtype(torch.bfloat16)
 
 
 @pytest.mark.parametrize("fmt", BLOCK_FORMAT_NAMES)

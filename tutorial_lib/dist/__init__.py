@@ -5,6 +5,7 @@
 ``launcher``         ``launch(fn, world_size)``: N ranks from a notebook, results back, failures loud
 ``mesh``             ``world_mesh()``: the one 1-D mesh helper a rank function starts with
 ``fsdp2``            FSDP2 all-gather hooks for every quantized format; shardability checks
+``fsdp2_reflatten``  FSDP2's later re-flattens of a shard follow the view scope of its first one
 ``quantized_init``   meta-device init that quantizes only each rank's shard
 ``checkpoint``       DCP save/load of quantized state (planners, checks, refusals)
 ``checkpoint_checks`` non-finite and mismatch checks, safe-globals scopes

@@ -80,15 +80,16 @@ def fp32_values(model: nn.Module, optimizer=None) -> tuple[dict[str, torch.Tenso
 
 
 def export_fp32_safetensors(model: nn.Module, path: str | os.PathLike, optimizer=None,
-                            metadata: dict[str, str] | None = None) -> dict[str, str]:
-    """Write ``model``'s weights as one fp32 safetensors file (rank 0 writes; every rank must call).
+                            metadata: dict[str, str] | None = None, process_group=None) -> dict[str, str]:
+    """Write ``model``'s weights as one fp32 safetensors file (the first rank of ``process_group``, default
+    the world, writes; every rank of the group must call).
 
     Returns ``{key: "master" | "dequantized" | "fp32" | "as-is"}`` on every rank.
     """
     values, sources = fp32_values(model, optimizer)
     distributed = dist.is_available() and dist.is_initialized()
     error = None
-    if not distributed or dist.get_rank() == 0:
+    if not distributed or dist.get_rank(process_group) == 0:
         try:
             meta = {"format": "pt", "exported_by": "tutorial_lib.dist.export", **(metadata or {})}
             tmp = f"{os.fspath(path)}.part{os.getpid()}"
@@ -100,7 +101,7 @@ def export_fp32_safetensors(model: nn.Module, path: str | os.PathLike, optimizer
                 os.remove(tmp)  # no half-written file left behind
     if distributed:  # every rank learns whether the write worked (a bare barrier would hang on failure)
         box = [error]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, group_src=0, group=process_group)
         error = box[0]
     if error is not None:
         raise RuntimeError(f"export to {path} failed on rank 0: {error}")

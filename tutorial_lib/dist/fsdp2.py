@@ -28,6 +28,18 @@ FSDP2 frees and refills in place, so nothing needs copying; only the 0-d scale b
 written, and they are plain inner tensors autograd never saw. (``post_all_gather_mode("copy")``
 reproduces the trap for the lesson.)
 
+A shard group of ONE rank (one GPU; the shard dimension of HSDP with shard size 1): FSDP2 skips
+the all-gather and copies only the FIRST all-gather input into its output (torch 2.11 and 2.13:
+``FSDPParamGroup.wait_for_unshard``'s world-size-1 branch), so a format with several buffers
+(codes + block scales) would get its codes alone. The post-all-gather hook does not read FSDP2's
+output then: with one rank the shard IS the whole tensor, so the unsharded tensor is built from
+copies of the shard's own buffers (refreshed in place on every later unshard, like FSDP2's own
+world-size-1 copy). Every format works on a 1-rank group.
+
+FSDP2 re-flattens each shard with ``view(-1)`` long after ``fully_shard`` (first forward,
+``load_state_dict``, ``.to()``): importing this module also makes those re-flattens follow the view
+decision of the first one (:mod:`tutorial_lib.dist.fsdp2_reflatten`).
+
 Uneven shards (dim 0 not divisible by the world size): FSDP2 requires every all-gather input
 of a padded rank to have the padded shard shape, so only buffers shaped like the tensor (FP8
 codes) can be padded; a format with per-block scale buffers must be sharded evenly. Block
@@ -71,6 +83,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from tutorial_lib.dist.fsdp2_reflatten import follow_first_flatten
 from tutorial_lib.quant.tensor import QuantizedTensor, is_quantized, local_tensor
 from tutorial_lib.quant.view_policy import allow_flat_views
 
@@ -167,6 +180,7 @@ class _GatherMeta:
     rows_ratio: tuple[int, ...]  # tensor rows per buffer row, per gathered buffer
     replicated: dict  # name -> this rank's 0-d buffer (a copy)
     shape: tuple[int, ...]  # the unsharded shape (None rows if unknown: 1-arg form)
+    world_size: int  # ranks of the shard group (1: FSDP2 skips the all-gather)
 
 
 _verify = False
@@ -225,7 +239,8 @@ def _pre_all_gather(self: QuantizedTensor, mesh, outer_size=None):
         for name in replicated:
             _check_replicated(name, bufs[name], group)
     # a copy of the scale: the optimizer requantizes the shard in place while the unsharded tensor lives on
-    meta = _GatherMeta(type(self), self.meta(), gathered, ratios, {n: bufs[n].clone() for n in replicated}, shape)
+    meta = _GatherMeta(type(self), self.meta(), gathered, ratios, {n: bufs[n].clone() for n in replicated}, shape,
+                       mesh.size())
     return tuple(inputs), meta
 
 
@@ -251,8 +266,27 @@ def _used_on_this_stream(tensors) -> None:
             t.record_stream(torch.cuda.current_stream(t.device))
 
 
+def _post_all_gather_one_rank(self: QuantizedTensor, param_dtype, out):
+    """A 1-rank shard group: FSDP2 copied only the first all-gather input (or, in some torch
+    versions, its flat ``_sharded_param_data`` without calling the pre-hook), so its output is not
+    read. The shard is the whole tensor: copy its buffers (the first call) or refresh the copies in
+    place (later calls: FSDP2 freed and re-allocated them, as it does with all-gather outputs)."""
+    bufs = self.raw_buffers()
+    if out is not None:
+        dst = local_tensor(out).__dict__
+        for name, b in bufs.items():
+            dst["_" + name].copy_(b)  # plain inner tensors: `out`'s version counter is untouched
+        return None
+    copies = {name: b.clone() for name, b in bufs.items()}
+    gathered, _ = split_buffers(self)
+    # FSDP2 frees/re-allocates the returned inner tensors on reshard/unshard: the dim >= 1 copies
+    return self.from_buffers(copies, self.meta(), self.shape, param_dtype), tuple(copies[n] for n in gathered)
+
+
 def _fsdp_post_all_gather(self, all_gather_outputs, metadata: _GatherMeta, param_dtype, *, out=None):
     """FSDP2 hook: wrap the gathered buffers (no copy) as the unsharded quantized tensor."""
+    if metadata is None or metadata.world_size == 1:  # no all-gather happened (1-rank shard group)
+        return _post_all_gather_one_rank(self, param_dtype, out)
     m = metadata
     n_rows = m.shape[0] if m.shape is not None else all_gather_outputs[0].shape[0] * m.rows_ratio[0]
     bufs = {}
@@ -316,6 +350,7 @@ def hook_form() -> str:
 
 
 attach_fsdp2_hooks()
+follow_first_flatten()
 
 
 @contextlib.contextmanager

@@ -41,6 +41,9 @@ Design choices, each for a reason ``tests/dist/test_launcher.py`` exercises:
   unpickles only the results its own ranks wrote there.
 * **Every rank's output goes to a file the caller tails**: in Jupyter a child's fd 1 is not
   the cell, so output is re-printed by the caller, prefixed with ``[rank r]``.
+* **A failing rank fails the launch at once**, with its traceback: torch's ``ProcessContext.join``
+  sees the exit, and the other ranks -- most likely waiting for it in a collective, which on NCCL
+  never notices a dead peer -- get half a second before SIGTERM and again before SIGKILL.
 * **A short collective timeout** (``collective_timeout``) turns a mismatched collective into
   an error in seconds instead of gloo's default 30 minutes, and the overall ``timeout`` kills
   ranks that hang outside collectives.
@@ -53,6 +56,7 @@ Design choices, each for a reason ``tests/dist/test_launcher.py`` exercises:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -392,9 +396,37 @@ class _RendezvousFailed(Exception):
         self.error = error
 
 
+# After the first rank fails, how long the others get to end by themselves (e.g. to write their own
+# traceback when they failed at the same moment) before SIGTERM, and again before SIGKILL. The others
+# are most likely waiting in a collective for the failed rank: gloo notices the closed connection at
+# once, but a rank in an NCCL collective (or any call that never notices a dead peer) waits until it
+# is killed, so this bounds the time from a rank's failure to RankFailed (torch's own default: 30 s).
+_FAILURE_GRACE_S = 0.5
+
 # gloo's full-mesh connect occasionally fails under heavy load on one machine ("connectFullMesh
 # failed ... Connection closed by peer"); no user code has run then, so one fresh attempt is safe.
 _RENDEZVOUS_RETRIES = 2  # gloo's connectFullMesh can also fail right after a failed attempt, under load
+
+
+@contextlib.contextmanager
+def _rank_environment(dev: torch.device):
+    """Environment the spawned ranks inherit: CPU ranks run Triton kernels in the interpreter.
+
+    Needed when a lesson on a GPU machine runs its ranks on CPU (fewer GPUs than ranks): the kernels
+    would otherwise be compiled for CUDA and fail on CPU tensors. Triton reads ``TRITON_INTERPRET`` when
+    a kernel is decorated, i.e. when the rank imports the library -- before ``_rank_main`` runs -- so it
+    is set here, around the spawn, and restored for the caller (whose kernels stay compiled).
+    """
+    before = os.environ.get("TRITON_INTERPRET")
+    if dev.type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
 
 
 def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout, echo) -> list:
@@ -408,16 +440,17 @@ def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout,
     tail = _LogTail(tmp, world_size, echo)
     context = None
     try:
-        context = mp.start_processes(
-            _rank_main,
-            args=(world_size, dev.type, store.port, tmp, collective_timeout, fn, args, kwargs),
-            nprocs=world_size, join=False, start_method="spawn",
-        )
+        with _rank_environment(dev):
+            context = mp.start_processes(
+                _rank_main,
+                args=(world_size, dev.type, store.port, tmp, collective_timeout, fn, args, kwargs),
+                nprocs=world_size, join=False, start_method="spawn",
+            )
         deadline = time.monotonic() + timeout
         while True:
             tail.pump()
             try:
-                if context.join(timeout=0.2, grace_period=3.0):
+                if context.join(timeout=0.2, grace_period=_FAILURE_GRACE_S):
                     break
             except ProcessException as exc:
                 _stop(context)

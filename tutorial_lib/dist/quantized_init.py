@@ -4,7 +4,8 @@ The sequence (lesson 06)::
 
     with torch.device("meta"): model = BlockMLP(...)        1. shapes only, no memory
     quantize_params_on_meta_(model, recipe("fp8"), ws)       2. Linear weights -> META quantized tensors
-                                                                (FSDP2 must see the hooks at fully_shard)
+                                                                (before fully_shard: a swap after it fails
+                                                                in reset_sharded_param's storage check)
     fully_shard_blocks(model, mesh)                          3. FSDP2 chunks, pads, flattens (view(-1)),
                                                                 wraps each shard in a DTensor: all on meta
     materialize_sharded_(model, device)                      4. per parameter, per rank:
@@ -51,7 +52,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tutorial_lib.dist.fsdp2 import check_fsdp_shardable, fully_shard_blocks
@@ -60,7 +60,6 @@ from tutorial_lib.quant.float8 import CurrentScaling
 from tutorial_lib.quant.per_tensor import all_reduce_amax, amax, quantize_per_tensor, scale_from_amax
 from tutorial_lib.quant.registry import Recipe
 from tutorial_lib.quant.tensor import HP_INIT_ATTR, QuantizedTensor, is_quantized, local_tensor
-from tutorial_lib.quant.view_policy import allow_flat_views
 
 __all__ = [
     "HP_INIT_ATTR",
@@ -208,9 +207,10 @@ def materialize_sharded_(model: nn.Module, device, *, seed: int | None = None,
         rows, row_numel = stop - start, math.prod(p.shape[1:])
         low, high = init_range(mod, p_name)
 
-        def gen(r0, r1, _p=p, _s=start, _lo=low, _hi=high, _fqn=fqn):
+        def gen(r0, r1, _p=p, _s=start, _lo=low, _hi=high, _fqn=fqn, _n=row_numel):
+            # explicit row length: reshape(0, -1) of an empty shard's rows is ambiguous (an error)
             return counter_uniform(seed, _fqn, _p.shape, rows=(_s + r0, _s + r1), low=_lo, high=_hi,
-                                   device=device).reshape(r1 - r0, -1)
+                                   device=device).reshape(r1 - r0, _n)
 
         hp = None
         local_shape = (rows, *p.shape[1:]) if p.dim() else ()
@@ -234,32 +234,13 @@ def materialize_sharded_(model: nn.Module, device, *, seed: int | None = None,
         if isinstance(p, DTensor):
             new = DTensor.from_local(new, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                      stride=p.stride())
-        with allow_flat_views():  # FSDP2's post-load hook re-flattens the shard with view(-1)
-            mod.load_state_dict({p_name: nn.Parameter(new, requires_grad=p.requires_grad)}, strict=False,
-                                assign=True)
+        # FSDP2's post-load hook re-flattens the shard with view(-1), in the flat-view scope that was
+        # active at fully_shard (tutorial_lib.dist.fsdp2_reflatten)
+        mod.load_state_dict({p_name: nn.Parameter(new, requires_grad=p.requires_grad)}, strict=False, assign=True)
         if hp is not None:
             setattr(getattr(mod, p_name), HP_INIT_ATTR, hp.view(local_shape))
         done[fqn] = rows * row_numel
-    _prime_lazy_init(model)
     return done
-
-
-def _prime_lazy_init(model: nn.Module) -> None:
-    """Run FSDP2's lazy init now, inside allow_flat_views(), if a block format would refuse its view(-1).
-
-    FSDP2 re-flattens every shard (``reset_sharded_param``) at its first unshard; a format
-    whose layout forbids a flat view raises there unless the scoped allowance is active.
-    One unshard/reshard per FSDP module at init time does it once, here.
-    """
-    blocky = any(is_quantized(p) and not local_tensor(p).view_allowed((local_tensor(p).numel(),))
-                 for p in model.parameters())
-    if not blocky:
-        return
-    with allow_flat_views():
-        for m in model.modules():
-            if isinstance(m, FSDPModule):
-                m.unshard()
-                m.reshard()
 
 
 @torch.no_grad()

@@ -1,14 +1,21 @@
-"""Where a lesson runs: device choice, backends, and an environment report.
+"""Where a lesson runs: device choice, where its ranks run, backends, and an environment report.
 
 The same code path serves both modes of the tutorial::
 
     CPU  -> gloo process groups, Triton kernels in the interpreter (TRITON_INTERPRET=1)
     CUDA -> NCCL (plus gloo for CPU tensors), compiled Triton kernels, one GPU per rank
 
+and a third for the most common GPU machine, one with fewer GPUs than a lesson has ranks::
+
+    lesson (this process)  cuda:0   kernels, GEMMs, single-device cells: compiled, real sizes
+    its ranks              cpu x N  gloo, Triton interpreter, quick sizes   (NCCL needs one GPU per rank)
+
 Example::
 
-    from tutorial_lib.dist.runtime import resolve_device, environment_report
-    dev = resolve_device("auto")      # cuda if a GPU is visible, else cpu
+    from tutorial_lib.dist.runtime import resolve_device, rank_placement, environment_report
+    dev = resolve_device("auto")                   # cuda if a GPU is visible, else cpu
+    ranks = rank_placement("auto", world_size=2)   # cuda ranks if 2 GPUs are visible, else CPU ranks
+    print(ranks.reason)
     print(environment_report())
 """
 
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import os
 import platform
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +43,80 @@ def resolve_device(device: str = "auto") -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device='cuda' was requested but torch sees no CUDA device")
     return torch.device(device)
+
+
+RANK_DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where a lesson's ranks run, and why (see :func:`rank_placement`).
+
+    Attributes:
+        device: the device to pass to ``launch``: ``cuda`` (one GPU per rank, NCCL) or ``cpu`` (gloo).
+        world_size: the number of ranks.
+        quick: the size choice for the cells the ranks run: the lesson's ``quick``, or ``True`` when a
+            GPU lesson's ranks fell back to CPU (its GPU sizes would take minutes on CPU ranks).
+        reason: one sentence for the reader saying where the ranks run and why.
+    """
+
+    device: torch.device
+    world_size: int
+    quick: bool
+    reason: str
+
+
+def rank_placement(device: str = "auto", world_size: int = 2, quick: bool = True,
+                   rank_device: str = "auto") -> RankPlacement:
+    """Decide where a lesson's ``world_size`` ranks run.
+
+    ``rank_device="auto"``: on GPUs when the lesson runs on CUDA and at least ``world_size`` GPUs are
+    visible (NCCL needs one GPU per rank); otherwise on CPU ranks with gloo -- so a one-GPU machine
+    still runs every sharding lesson with real ranks, while the lesson's single-device cells use the
+    GPU. ``"cpu"`` and ``"cuda"`` force a choice; ``"cuda"`` with too few GPUs is an error.
+
+    Example::
+
+        ranks = rank_placement("cuda", world_size=2)   # on a 1-GPU machine: device cpu, quick True
+        launch(fn, world_size=ranks.world_size, device=ranks.device)
+    """
+    if rank_device not in RANK_DEVICE_CHOICES:
+        raise ValueError(f"rank_device must be one of {RANK_DEVICE_CHOICES}, got {rank_device!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    lesson = resolve_device(device)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if rank_device == "cuda":
+        resolve_device("cuda")
+        if world_size > gpus:
+            raise ValueError(f"rank_device='cuda' with world_size {world_size} needs one GPU per rank, but {gpus} "
+                             "GPU(s) are visible: lower world_size, or use rank_device='auto' (CPU ranks)")
+        return RankPlacement(torch.device("cuda"), world_size, quick,
+                             f"{world_size} ranks on {world_size} GPUs (NCCL), as asked")
+    if rank_device == "auto" and lesson.type == "cuda" and world_size <= gpus:
+        return RankPlacement(torch.device("cuda"), world_size, quick,
+                             f"{world_size} ranks, one per GPU (NCCL; {gpus} GPU(s) visible)")
+    if lesson.type == "cpu":
+        return RankPlacement(torch.device("cpu"), world_size, quick,
+                             f"{world_size} CPU ranks (gloo): the lesson runs on the CPU")
+    why = ("rank_device='cpu' was asked" if rank_device == "cpu" else
+           f"world_size {world_size} > {gpus} visible GPU(s), and NCCL needs one GPU per rank")
+    return RankPlacement(torch.device("cpu"), world_size, True,
+                         f"{world_size} CPU ranks (gloo, Triton interpreter, quick sizes): {why}; "
+                         "the lesson's single-device cells still run on the GPU")
+
+
+def require_world_size(world_size: int, minimum: int, why: str) -> None:
+    """Stop a lesson at its parameters when ``world_size`` is below what its claims need.
+
+    Raises ``ValueError`` naming the minimum and the way to run it (CPU ranks need no GPUs).
+    """
+    if world_size < minimum:
+        raise ValueError(
+            f"this lesson needs world_size >= {minimum}: {why}. Got world_size={world_size}. Run it with "
+            f"world_size={minimum} or more: with fewer GPUs than ranks, the ranks run on CPU "
+            "(rank_device='auto'; see lesson 00)."
+        )
 
 
 def backend_for(device: torch.device | str) -> str:

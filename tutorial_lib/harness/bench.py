@@ -3,12 +3,19 @@
 Targets are ratios, never absolute times: each run measures the device-to-device copy bandwidth
 itself and reports every case as a fraction of it, next to peers measured in the same run.
 
+Fair peers: a GPU's (and a host's) speed drifts from minute to minute, so two medians taken at
+different moments compare the moments as much as the code. :func:`alternating_case` times ours
+and every peer in ROUNDS, taking turns in alternating order (:func:`time_rounds`), and records
+each one's median with its spread (min and max over the rounds) and the round-by-round ratio of
+the best peer to ours (median, min, max). The README table (:func:`results_markdown`) shows
+ranges over rounds and over every recorded run of a case, never one number alone.
+
 Example::
 
-    from tutorial_lib.harness.bench import bench_ms, copy_bandwidth_GBps, case, write_results
+    from tutorial_lib.harness.bench import alternating_case, copy_bandwidth_GBps, write_results
     copy = copy_bandwidth_GBps(device)
-    ms = bench_ms(lambda: my_kernel(x))
-    c = case("fp8 cast 1G", ms, peers={"torch.compile": bench_ms(compiled)}, nbytes=3 * x.numel(), copy_GBps=copy)
+    c = alternating_case("fp8 cast 1G", lambda: my_kernel(x), {"torch.compile": lambda: compiled(x)},
+                         nbytes=3 * x.numel(), copy_GBps=copy)
     write_results("benchmarks/results", "fp8_cast", [c], copy)
 
 One JSON file per run::
@@ -34,6 +41,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# the README table lives in its own module; re-exported here (``python -m tutorial_lib.harness.bench``)
+from tutorial_lib.harness.bench_report import README_END, README_START, results_markdown, update_readme  # noqa: F401
 
 
 def bench_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 20) -> float:
@@ -133,6 +143,58 @@ def time_alternating(opts: dict, steps: int, device: torch.device, extra: dict |
             opt.step()
             ms[name].append((time.perf_counter() - t) * 1e3)
     return ms
+
+
+def time_rounds(fns: dict[str, Callable[[], object]], rounds: int = 9, *, warmup: int = 3,
+                rep: int = 20) -> dict[str, list[float]]:
+    """Milliseconds of every function in ``fns``, one :func:`bench_ms` per function per round, the
+    functions taking turns in alternating order (:func:`turn_order`; a garbage collection and, in a
+    process group, a barrier before each): ``{name: [ms per round]}``, paired round by round.
+    Each function is called once first (compilation, caches) outside the timing. ``warmup`` and
+    ``rep``: :func:`bench_ms`'s CPU repetitions (CUDA uses ``do_bench``)."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(rounds):
+        for name in turn_order(fns, r):
+            gc.collect()
+            barrier_if_distributed()
+            times[name].append(bench_ms(fns[name], warmup=warmup, rep=rep))
+    return times
+
+
+def spread(times: list[float]) -> dict[str, float]:
+    """``{"median", "min", "max"}`` of a list of timings (ms, rounded to 5 decimals)."""
+    return {"median": round(statistics.median(times), 5), "min": round(min(times), 5), "max": round(max(times), 5)}
+
+
+def alternating_case(name: str, ours: Callable[[], object], peers: dict[str, Callable[[], object]], *,
+                     nbytes: int, copy_GBps: float, rounds: int = 9, warmup: int = 3, rep: int = 20) -> dict:
+    """A :func:`case` whose ours and peers were timed in the same alternating rounds
+    (:func:`time_rounds`): medians as ``ours_ms`` / ``peers``, plus ``ours_range_ms`` and
+    ``peers_range_ms`` ([min, max] over the rounds), ``rounds_ms`` (every round) and
+    ``best_peer_over_ours`` (median, min, max of the round-by-round ratio best peer / ours).
+    ``warmup``, ``rep``: CPU repetitions per timing (see :func:`time_rounds`)."""
+    if "ours" in peers:
+        raise ValueError("'ours' is reserved for our own timing; rename the peer")
+    times = time_rounds({"ours": ours, **peers}, rounds, warmup=warmup, rep=rep)
+    return case_from_rounds(name, times, nbytes=nbytes, copy_GBps=copy_GBps)
+
+
+def case_from_rounds(name: str, times: dict[str, list[float]], *, nbytes: int, copy_GBps: float,
+                     ours: str = "ours") -> dict:
+    """The :func:`case` of timings taken in alternating rounds (``times[ours]`` is ours, the rest peers)."""
+    med = {k: statistics.median(v) for k, v in times.items()}
+    peer_names = [k for k in times if k != ours]
+    c = case(name, med[ours], peers={k: med[k] for k in peer_names}, nbytes=nbytes, copy_GBps=copy_GBps)
+    c["ours_range_ms"] = [round(min(times[ours]), 5), round(max(times[ours]), 5)]
+    c["peers_range_ms"] = {k: [round(min(times[k]), 5), round(max(times[k]), 5)] for k in peer_names}
+    c["rounds_ms"] = {k: [round(x, 5) for x in v] for k, v in times.items()}
+    if peer_names:
+        best = min(peer_names, key=med.get)
+        ratios = [p / o for p, o in zip(times[best], times[ours])]
+        c["best_peer_over_ours"] = {"peer": best, **{k: round(v, 4) for k, v in spread(ratios).items()}}
+    return c
 
 
 def paired_ratio(num: list[float], den: list[float]) -> float:
@@ -254,6 +316,25 @@ def benchmark_device(quick: bool) -> torch.device:
     return device
 
 
+def eager_and_compiled_fns(
+    fn: Callable, *args, equal: Callable[[object, object], bool], compiled: bool = True,
+    record: dict | None = None, key: str | None = None, **kwargs,
+) -> dict[str, Callable[[], object]]:
+    """Peers for a kernel as callables (time them with ours in :func:`alternating_case`): ``fn``
+    (the torch reference) eager, and under ``torch.compile``; ``equal`` as in :func:`eager_and_compiled_ms`."""
+    peers = {"torch eager": lambda: fn(*args, **kwargs)}
+    if compiled:
+        t = time.perf_counter()
+        compiled_fn = torch.compile(fn)
+        same = equal(compiled_fn(*args, **kwargs), fn(*args, **kwargs))
+        print(f"  (torch.compile of {fn.__name__}: {time.perf_counter() - t:.1f} s to compile; "
+              f"{'same bytes as eager' if same else 'DIFFERENT bytes from eager'})", flush=True)
+        peers["torch.compile"] = lambda: compiled_fn(*args, **kwargs)
+        if record is not None:
+            record[key or fn.__name__] = same
+    return peers
+
+
 def eager_and_compiled_ms(
     fn: Callable, *args, equal: Callable[[object, object], bool], compiled: bool = True,
     record: dict | None = None, key: str | None = None, **kwargs,
@@ -336,67 +417,6 @@ def load_results(results_dir: str | Path, stem: str) -> list[dict]:
     paths = sorted(Path(results_dir).glob(f"{stem}-*.json"), reverse=True)
     docs = [json.loads(p.read_text()) for p in paths]
     return sorted(docs, key=lambda d: d["date"], reverse=True)
-
-
-README_START = "<!-- benchmark-table:start (generated by `python -m tutorial_lib.harness.bench`; do not edit) -->"
-README_END = "<!-- benchmark-table:end -->"
-
-
-def results_markdown(results_dir: str | Path) -> str:
-    """A markdown table of the newest recorded run of every benchmark in ``results_dir``."""
-    newest: dict[str, dict] = {}
-    for path in sorted(Path(results_dir).glob("*.json")):
-        stem = path.name.split("-", 1)[0]
-        doc = json.loads(path.read_text())
-        if stem not in newest or doc["date"] > newest[stem]["date"]:
-            newest[stem] = doc
-    if not newest:
-        return "_No GPU benchmark has been recorded yet._"
-    lines = [
-        "| benchmark | case | ours (ms) | best peer (ms) | ours vs peer | fraction of copy (GEMMs: TFLOPS) "
-        "| machine, versions, date |",
-        "|---|---|---:|---:|---:|---:|---|",
-    ]
-    for stem, doc in sorted(newest.items()):
-        where = f"{doc['machine']}, torch {doc['torch']}, Triton {doc['triton']}, {doc['date'][:10]}"
-        for c in doc["cases"]:
-            peers = {k: v for k, v in c.get("peers", {}).items() if isinstance(v, (int, float))}
-            if peers:
-                name, ms = min(peers.items(), key=lambda kv: kv[1])
-                peer, ratio = f"{ms:.3f} ({name})", f"{ms / c['ours_ms']:.2f}x"
-            else:
-                peer, ratio = "-", "-"
-            frac = c.get("fraction_of_copy")
-            frac_s = f"{frac:.0%}" if isinstance(frac, (int, float)) else "-"
-            if isinstance(c.get("tflops"), (int, float)):  # a GEMM: compute-bound, so throughput, not bandwidth
-                frac_s = f"{c['tflops']:.0f} TFLOPS"
-            lines.append(f"| {stem} | {_case_label(c)} | {c['ours_ms']:.3f} | {peer} | {ratio} | {frac_s} | {where} |")
-    return "\n".join(lines)
-
-
-def _case_label(c: dict) -> str:
-    """The case name, plus the per-rank ratios a multi-rank case records (every rank, not just rank 0)."""
-    label = c["name"]
-    for key, what in (("dtensor_over_plain", "latency"), ("dtensor_over_plain_back_to_back", "back to back"),
-                      ("dtensor_over_plain_new_grads_host", "new grads, host")):
-        ratios = c.get(key, {}).get("FusedAdam")
-        if ratios:
-            label += f"; FusedAdam DTensor/plain per rank, {what}: {ratios}"
-    if c.get("peers_tflops"):  # GEMM peers may compute another recipe (per-tensor vs blockwise): name them all
-        label += "; peers TFLOPS: " + ", ".join(f"{k} {v:.0f}" for k, v in c["peers_tflops"].items())
-    return label
-
-
-def update_readme(readme: str | Path, results_dir: str | Path) -> bool:
-    """Rewrite the README's generated benchmark table; return True if it changed."""
-    path = Path(readme)
-    text = path.read_text()
-    start, end = text.index(README_START) + len(README_START), text.index(README_END)
-    new = text[:start] + "\n" + results_markdown(results_dir) + "\n" + text[end:]
-    if new != text:
-        path.write_text(new)
-    return new != text
-
 
 if __name__ == "__main__":
     _root = Path(__file__).resolve().parents[2]

@@ -29,7 +29,9 @@ from pathlib import Path
 
 import nbformat
 
-from tutorial_lib.harness.checks import PASS_MARK
+from tutorial_lib.harness.checks import PASS_MARK, SelfCheckError
+from tutorial_lib.harness.exercises import ExerciseError, raise_if_unchecked, with_solutions
+from tutorial_lib.harness.progress import ENV_VAR as PROGRESS_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
@@ -53,6 +55,7 @@ class LessonRun:
     code_cells: int
     checks_passed: int
     parameters: dict = field(default_factory=dict)
+    exercises: int = 0  # exercises run with their solution, each check also shown to reject a wrong answer
 
 
 def lessons(directory: Path = NOTEBOOK_DIR) -> list[Path]:
@@ -61,14 +64,29 @@ def lessons(directory: Path = NOTEBOOK_DIR) -> list[Path]:
 
 
 def default_parameters(device: str = "auto") -> dict:
-    """Lesson parameters for this machine: all local GPUs, or 2 CPU ranks in quick mode."""
+    """Lesson parameters for this machine.
+
+    CPU: 2 ranks, quick sizes. CUDA: ``world_size = max(2, number of GPUs)`` at full sizes -- on a
+    one-GPU machine the lessons' ranks then run on the CPU (``rank_placement``) while their
+    single-device cells use the GPU, so sharding is still taught with real ranks.
+    """
     import torch
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
-        return {"device": "cuda", "world_size": max(1, torch.cuda.device_count()), "quick": False}
+        return {"device": "cuda", "world_size": max(2, torch.cuda.device_count()), "quick": False}
     return {"device": "cpu", "world_size": 2, "quick": True}
+
+
+def min_world_size(path: str | Path) -> int | None:
+    """The fewest ranks a lesson accepts (notebook metadata ``tutorial.min_world_size``).
+
+    ``None`` for a lesson that launches no ranks. A lesson whose claims need several ranks declares
+    its minimum here *and* stops at its first cell below it (``require_world_size``); the tests check both.
+    """
+    nb = nbformat.read(path, as_version=4)
+    return nb.metadata.get("tutorial", {}).get("min_world_size")
 
 
 def _text_outputs(cell) -> str:
@@ -126,8 +144,14 @@ def run_lesson(
     quick: bool | None = None,
     cell_timeout: float = 600,
     extra_parameters: dict | None = None,
+    solve_exercises: bool = True,
 ) -> LessonRun:
-    """Execute one lesson with papermill and verify it; raise :class:`LessonFailed` on any failure."""
+    """Execute one lesson with papermill and verify it; raise :class:`LessonFailed` on any failure.
+
+    With ``solve_exercises`` (the default) every exercise runs with its reference solution and its check
+    must also reject a wrong answer (:mod:`tutorial_lib.harness.exercises`); without it the exercises
+    stay unanswered, as a reader first sees them.
+    """
     import papermill
 
     path = Path(path)
@@ -140,22 +164,43 @@ def run_lesson(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     executed = out_dir / path.name
+    # exercises run with their reference solutions, each check followed by a wrong-answer probe
+    try:
+        prepared, n_exercises = with_solutions(nbformat.read(path, as_version=4))
+    except ExerciseError as exc:
+        raise LessonFailed(f"{path.name}: {exc}") from None
+    if not solve_exercises:
+        prepared, n_exercises = nbformat.read(path, as_version=4), 0
+    source = out_dir / f".{path.stem}.prepared.ipynb"
+    nbformat.write(prepared, source)
     if params["device"] == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # inherited by the kernel papermill starts
+    # an executed notebook keeps every progress refresh as an output: quiet bars there (a kernel started
+    # from inside JupyterLab would otherwise pick widgets, whose state would land in the executed copy)
+    ours = PROGRESS_ENV not in os.environ
+    if ours:
+        os.environ[PROGRESS_ENV] = "quiet"
     start = time.monotonic()
     try:
         papermill.execute_notebook(
-            str(path), str(executed), parameters=params, kernel_name=KERNEL_NAME,
+            str(source), str(executed), parameters=params, kernel_name=KERNEL_NAME,
             execution_timeout=cell_timeout, progress_bar=False, cwd=str(path.parent), log_output=False,
         )
     except Exception as exc:  # papermill's cell errors, nbclient's timeouts, dead kernels
         raise LessonFailed(f"{path.name} failed ({params}):\n{_describe_failure(exc)}") from None
+    finally:
+        source.unlink(missing_ok=True)
+        if ours:  # leave the caller's environment as it was
+            os.environ.pop(PROGRESS_ENV, None)
     seconds = time.monotonic() - start
     try:
-        cells, checks = verify_executed(nbformat.read(executed, as_version=4))
-    except LessonFailed as exc:
+        done = nbformat.read(executed, as_version=4)
+        cells, checks = verify_executed(done)
+        if solve_exercises:
+            raise_if_unchecked(done)
+    except (LessonFailed, SelfCheckError) as exc:
         raise LessonFailed(f"{path.name}: {exc}") from None
-    return LessonRun(path, executed, seconds, cells, checks, params)
+    return LessonRun(path, executed, seconds, cells, checks, params, n_exercises)
 
 
 def render_html(executed: list[Path], html_dir: Path) -> Path:
@@ -225,7 +270,7 @@ def _main(argv: list[str] | None = None) -> int:
 
     paths = [Path(p) for p in args.paths] or lessons()
     executed, failures = [], []
-    for p in paths:
+    for p in paths:  # each lesson prints its own line when done: that is the progress report
         try:
             r = run_lesson(p, args.out / "executed", device=args.device, world_size=args.world_size,
                            quick=args.quick, cell_timeout=args.cell_timeout)
@@ -235,8 +280,8 @@ def _main(argv: list[str] | None = None) -> int:
             executed.append(args.out / "executed" / p.name) if (args.out / "executed" / p.name).exists() else None
             continue
         executed.append(r.executed)
-        print(f"ok   {p.name}  {r.seconds:6.1f} s  {r.code_cells} cells  {r.checks_passed} checks  {r.parameters}",
-              flush=True)
+        print(f"ok   {p.name}  {r.seconds:6.1f} s  {r.code_cells} cells  {r.checks_passed} checks  "
+              f"{r.exercises} exercises  {r.parameters}", flush=True)
     print(f"executed notebooks: {(args.out / 'executed').resolve()}")
     if executed and not args.no_html:
         index = render_html(executed, args.out / "html")

@@ -73,6 +73,7 @@ __all__ = [
     "batch",
     "build_model_and_optimizer",
     "checkpoint_run",
+    "compare_with_full",
     "load_unsharded",
     "reshard_load_run",
     "snapshot",
@@ -212,14 +213,16 @@ def assemble_full(snapshots: list[Snapshot]) -> dict[str, torch.Tensor]:
 def _shard_of(full: torch.Tensor, local: torch.Tensor, rows: tuple[int, int]) -> torch.Tensor:
     """The rows of ``full`` this rank holds (quantized: the same scale, the rows of the bytes)."""
     start, stop = rows
-    if isinstance(full, QuantizedTensor):
-        bufs = {n: (b if b.dim() == 0 else b[start:stop]) for n, b in full.raw_buffers().items()}
+    if isinstance(full, QuantizedTensor):  # a buffer row may span several tensor rows (16x16, 128x128 blocks)
+        bufs = {n: (b if b.dim() == 0 else b[start * b.shape[0] // full.shape[0]: stop * b.shape[0] // full.shape[0]])
+                for n, b in full.raw_buffers().items()}
         return type(full).from_buffers(bufs, full.meta(), tuple(local.shape), full.dtype)
     return full[start:stop]
 
 
-def _compare_with_full(state: dict, expected: dict) -> list[str]:
-    """Keys whose local value differs from the matching rows of ``expected`` (bitwise)."""
+def compare_with_full(state: dict, expected: dict) -> list[str]:
+    """Keys of ``state`` (a rank's, possibly sharded, state dict) whose local value differs bitwise from
+    the matching rows of ``expected`` (full tensors, e.g. from :func:`assemble_full`)."""
     local, want = {}, {}
     for key, v in _flat(state):
         if not isinstance(v, torch.Tensor):
@@ -339,6 +342,6 @@ def reshard_load_run(root: str, cfg: RunConfig, expected: dict, mode: str = "syn
     load_checkpoint({"app": TrainingState(model, opt)}, os.path.join(root, mode))
     return ReshardLoadResult(
         rank=dist.get_rank(),
-        mismatch=_compare_with_full(TrainingState(model, opt).state_dict(), expected),
+        mismatch=compare_with_full(TrainingState(model, opt).state_dict(), expected),
         quantized_local_rows={n: local_tensor(p).shape[0] for n, p in model.named_parameters() if is_quantized(p)},
     )

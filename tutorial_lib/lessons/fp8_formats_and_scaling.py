@@ -29,6 +29,7 @@ import dataclasses
 
 import torch
 
+from tutorial_lib.harness.progress import progress
 from tutorial_lib.quant.formats import all_values
 from tutorial_lib.quant.per_tensor import amax, dequantize_per_tensor
 
@@ -69,7 +70,7 @@ def track_scaling(xs: list[torch.Tensor], quantizer) -> ScalingTrace:
     grid = all_values(quantizer.fmt)
     clip = (grid[-1] + (grid[-1] - grid[-2]) / 2).item()  # values at or below round to max anyway
     trace = ScalingTrace([], [], [], [], [])
-    for x in xs:
+    for x in progress(xs, desc=f"{type(quantizer).__name__} casts", unit="step"):
         res = quantizer.cast(x)
         back = dequantize_per_tensor(res.data, res.scale_inv, quantizer.fmt)
         xf = x.float()

@@ -86,6 +86,7 @@ class AllGatherDemoResult:
     bf16: ModelGather  # the same model, every parameter bf16
     ops_in_init: list[str]  # aten ops reaching QuantizedTensor in meta init, fully_shard and materialisation
     ops_in_step: list[str]  # aten ops reaching QuantizedTensor in one forward + backward
+    fallbacks: dict[str, int]  # aten op -> dequantizing fallbacks in init + step (quant.fallback.FALLBACKS): {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +237,7 @@ def allgather_demo(dim: int = 64, hidden: int = 256, n_blocks: int = 2, recipe: 
     mesh, dev = world_mesh()
     bf16 = lambda: BlockMLP(dim, hidden, n_blocks, dtype=torch.bfloat16)  # noqa: E731
     x = torch.ones(batch, dim, dtype=torch.bfloat16, device=dev)
+    reset_counters()  # a handler may still fall back (return NotImplemented): count, don't assume
     with record_quantized_dispatch() as ops_init:
         q_model = qi.build_sharded_quantized(bf16, mesh, make_recipe(recipe), dev,
                                              reshard_after_forward=reshard_after_forward)
@@ -248,9 +250,10 @@ def allgather_demo(dim: int = 64, hidden: int = 256, n_blocks: int = 2, recipe: 
                            expected=fq.expected_all_gather_bytes(model), unshard=_compare_unsharded(model)), ops
 
     quantized, ops_step = one_step(q_model)
+    fallbacks = dict(FALLBACKS)
     return AllGatherDemoResult(rank=dist.get_rank(), world_size=dist.get_world_size(), recipe=recipe,
                                quantized=quantized, bf16=one_step(plain)[0], ops_in_init=sorted(set(ops_init)),
-                               ops_in_step=sorted(set(ops_step)))
+                               ops_in_step=sorted(set(ops_step)), fallbacks=fallbacks)
 
 
 # ----------------------------------------------------------------------------- init memory

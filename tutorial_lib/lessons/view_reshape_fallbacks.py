@@ -8,12 +8,13 @@ copy). This module measures the copy's costs:
   its values are rounded to the nominal dtype, a no-op round trip changes stored bytes, and the
   copy takes more memory than the weight;
 * :func:`fsdp2_flat_shard_report` -- a rank function: ``fully_shard`` under each policy and
-  inspect what FSDP2 keeps in ``_sharded_param_data`` (the result of its ``view(-1)``)::
+  inspect what FSDP2 keeps in ``_sharded_param_data`` (the result of its ``view(-1)``), then run
+  the first forward (lazy init: ``reset_sharded_param`` compares that tensor's storage with the shard's)::
 
-      policy            fully_shard     kept per shard                     after an in-place update
-      strict            raises          --                                 --
-      warn_dequantize   works           bf16 copy (2 B/element, extra)     stale
-      scoped            works           RawBytes alias (0 extra bytes)     current
+      policy            fully_shard  kept per shard                  after an update  first forward
+      strict            raises       --                              --               --
+      warn_dequantize   works        bf16 copy (2 B/element, extra)  stale            raises (no storage)
+      scoped            works        RawBytes alias (0 extra bytes)  current          runs
 
 Example::
 
@@ -21,7 +22,7 @@ Example::
     from tutorial_lib.lessons.view_reshape_fallbacks import fallback_view_costs, fsdp2_flat_shard_report
     from tutorial_lib.quant.registry import make_quantizer
 
-    q = make_quantizer("fp8_1x128").quantize(torch.randn(256, 512) * 0.02).to(torch.bfloat16)
+    q = make_quantizer("fp8_1x128").quantize((torch.randn(256, 512) * 0.02).bfloat16())
     fallback_view_costs(q).copy_max_rel_err          # > 0: the bf16 "view" is rounded
 
     calls = [(fsdp2_flat_shard_report, {"fmt": f, "n_layers": 2, "dim": 256}) for f in ("mxfp8", "nvfp4_16x16")]
@@ -40,6 +41,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
 from tutorial_lib.dist.launcher import rank_device
+from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.quant.fallback import QuantizedViewError
 from tutorial_lib.quant.registry import make_quantizer
 from tutorial_lib.quant.tensor import QuantizedTensor, local_tensor
@@ -89,6 +91,7 @@ class FlatShardPolicy:
     error: str | None  # the QuantizedViewError message if fully_shard raised
     layers: list[FlatShardLayer]  # one per layer (empty if fully_shard raised)
     allocated_delta: int | None  # torch.cuda.memory_allocated growth across fully_shard (None on CPU / error)
+    forward_error: str | None = None  # the first forward's error (lazy init re-flattens every shard); None: it ran
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +173,9 @@ def fsdp2_flat_shard_report(fmt: str = "mxfp8", n_layers: int = 4, dim: int = 25
     dev = rank_device()
     contexts = {"strict": contextlib.nullcontext, "warn_dequantize": lambda: view_policy("warn_dequantize"),
                 "scoped": allow_flat_views}
+    # an explicit mesh on the rank's device: FSDP2's default mesh takes the machine's accelerator (CUDA
+    # when a GPU is visible), which is wrong for CPU ranks on a GPU machine
+    mesh = world_mesh().mesh
     outcomes = {}
     for policy in policies:
         torch.manual_seed(0)  # the same full weights on every rank; each keeps its own shard
@@ -182,10 +188,24 @@ def fsdp2_flat_shard_report(fmt: str = "mxfp8", n_layers: int = 4, dim: int = 25
             with contexts[policy](), warnings.catch_warnings():
                 warnings.simplefilter("ignore", QuantizedViewWarning)
                 for lin in model:
-                    fully_shard(lin)
+                    fully_shard(lin, mesh=mesh)
         except QuantizedViewError as exc:
             outcomes[policy] = FlatShardPolicy(policy, str(exc), [], None)
             continue
         delta = (torch.cuda.memory_allocated(dev) - before) if cuda else None
-        outcomes[policy] = FlatShardPolicy(policy, None, [_kept_flat_shard(lin) for lin in model], delta)
+        layers = [_kept_flat_shard(lin) for lin in model]
+        outcomes[policy] = FlatShardPolicy(policy, None, layers, delta, _first_forward(model, dim, contexts[policy]))
     return FlatShardReport(fmt, n_layers, dim, outcomes)
+
+
+def _first_forward(model: nn.Module, dim: int, context) -> str | None:
+    """Run the model once under the policy: FSDP2's lazy init calls ``reset_sharded_param`` on every
+    shard, which compares the kept flat tensor's storage with the shard's. Returns the error, or None."""
+    x = torch.randn(4, dim, device=rank_device(), dtype=torch.bfloat16)
+    try:
+        with context(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(x).float().sum().item()
+    except Exception as exc:  # the lesson shows the error a first forward raises
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    return None

@@ -14,6 +14,11 @@ What one ``step()`` does (per param group)::
                    before the update)
       requantize   any other quantized format        master only             local.copy_(master): the
                    (current scaling, MXFP8, ...)                             format requantizes itself
+                   MXFP8 1x32, FP8 blockwise 1x128   master -> bytes +       - (fuse_requantize=True:
+                   (their own quantizers)            block scales            the kernel's own pass)
+
+Current-scaled FP8 parameters on the requantize route share ONE amax all-reduce per process group
+per step (``tutorial_lib.optim.amax_reduce``) instead of one per parameter; same bytes.
 
 Per param group a :class:`~tutorial_lib.optim.fused_adam_plan.Plan` builds the kernel tables
 (``tutorial_kernels.adam_tables``) once. Per step the host makes a few C-level passes over the parameters
@@ -45,11 +50,26 @@ lr, and silently skipping them would leave the model untrained.
 State is created on the first ``step()``, or without updating anything by :meth:`FusedAdam.init_state`
 (what checkpoint code calls before loading into the optimizer).
 
+CUDA graphs (``capturable=True``): the step counters, the learning rate and the weight decay live
+on the device and the step scalars are computed there (``tutorial_kernels.adam_capturable``),
+bit for bit the numbers of the default host path; ``step()`` then never syncs with the device
+and can be recorded inside your own ``torch.cuda.graph`` (with static gradients). Or let the
+optimizer record its own step: :meth:`FusedAdam.capture` records one step in a CUDA graph, and
+every later ``step()`` replays it (a few microseconds of host time instead of a pass over every
+parameter). A replayed step reads the gradients where they were at capture: keep them in place
+(``zero_grad(set_to_none=False)``); a changed ``lr`` (float or tensor) is picked up per step.
+
 Example::
 
     from tutorial_lib.optim.fused_adam import FusedAdam
     opt = FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01, master_weights=True)
     loss.backward(); opt.step(); opt.zero_grad()
+
+    opt = FusedAdam(params, lr=1e-3, capturable=True)        # on a GPU
+    loss.backward(); opt.step()                               # eager once: state, tables, compilation
+    opt.capture()                                             # record one step
+    for batch in data:
+        loss.backward(); opt.step(); opt.zero_grad(set_to_none=False)   # step() replays the graph
 """
 
 from __future__ import annotations
@@ -60,6 +80,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from tutorial_kernels.adam import launch_adamw
 
+from tutorial_lib.optim.amax_reduce import requantize
 from tutorial_lib.optim.fused_adam_plan import MASTER_ROUTES, ROUTES, Bucket, Plan, fused_fp8_format, route_param
 from tutorial_lib.quant.per_tensor import all_reduce_amax
 from tutorial_lib.quant.tensor import HP_INIT_ATTR, is_quantized, local_tensor
@@ -83,6 +104,13 @@ class FusedAdam(torch.optim.Optimizer):
             for quantized ones). fp32 parameters are their own master.
         block, num_warps: Triton launch configuration (default block:
             ``tutorial_kernels.adam_tables.default_block()``); ``benchmarks/bench_adam.py`` sweeps a few.
+        capturable: step counters, lr and weight decay on the device; ``step()`` never syncs and can
+            be captured in a CUDA graph (see :meth:`capture`). Same results as the default, bit for bit.
+        fuse_requantize: MXFP8 1x32 and FP8 blockwise 1x128 parameters get their bytes and block
+            scales from the Adam kernel's own pass (equal to their quantizer's, byte for byte);
+            False: the kernel writes the master, then ``copy_`` requantizes it (a second pass).
+        batch_amax_reduce: one amax all-reduce per process group for all current-scaled FP8
+            parameters (``tutorial_lib.optim.amax_reduce``); False: one per parameter.
 
     The kernel tables are cached per group. They are rebuilt automatically when parameters get
     new storage (``p.data = ...``, FSDP2 lazy init), on ``load_state_dict`` and ``add_param_group``.
@@ -92,7 +120,8 @@ class FusedAdam(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, master_weights: bool = False, block: int | None = None,
-                 num_warps: int = 4):
+                 num_warps: int = 4, capturable: bool = False, fuse_requantize: bool = True,
+                 batch_amax_reduce: bool = True):
         if not lr >= 0.0:
             raise ValueError(f"invalid learning rate {lr}")
         if not eps >= 0.0:
@@ -102,8 +131,10 @@ class FusedAdam(torch.optim.Optimizer):
         if not weight_decay >= 0.0:
             raise ValueError(f"invalid weight_decay {weight_decay}")
         self._plans: dict[int, Plan] = {}
+        self._graph = None  # capture(): a torch.cuda.CUDAGraph of one step, replayed by step()
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master_weights=master_weights,
-                        block=block, num_warps=num_warps)
+                        block=block, num_warps=num_warps, capturable=capturable, fuse_requantize=fuse_requantize,
+                        batch_amax_reduce=batch_amax_reduce)
         super().__init__(params, defaults)
 
     # -- state ------------------------------------------------------------------------------
@@ -165,8 +196,10 @@ class FusedAdam(torch.optim.Optimizer):
     def rebuild(self) -> None:
         """Forget the cached kernel tables: the next step re-reads every parameter. Needed only after
         giving a DTensor parameter's local shard new storage IN PLACE (``p._local_tensor.data = x``);
-        new storage by any other route (``p.data = x``, FSDP2, ``swap_tensors``) is noticed by itself."""
+        new storage by any other route (``p.data = x``, FSDP2, ``swap_tensors``) is noticed by itself.
+        Also drops a captured step graph."""
         self._plans = {}
+        self._graph = None
 
     def routes(self) -> list[list[str]]:
         """Per param group, the route each (requires_grad) parameter takes: what lesson 07 prints."""
@@ -197,6 +230,9 @@ class FusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._graph is not None:
+            self._replay()
+            return loss
         for gi, group in enumerate(self.param_groups):
             self._step_group(gi, group)
         return loss
@@ -209,30 +245,102 @@ class FusedAdam(torch.optim.Optimizer):
             plan = self._plans[gi] = Plan(group, self._init_state)
         return plan
 
-    def _step_group(self, gi: int, group: dict) -> None:
+    def _prepare(self, gi: int, group: dict) -> tuple[Plan, list] | None:
+        """The host half of a step: the plan, this step's grads (tables refreshed if they moved)."""
         plan = self._plan(gi, group)
         if not plan.params:
-            return
+            return None
         grads, addresses = plan.grads_and_addresses()
         if addresses != plan.last_grad_addresses:  # one C-level list comparison
             plan.refresh_grads(grads, addresses)
         if not plan.any_active:
-            return
-        lr = float(group["lr"])
+            return None
+        if plan.capturable:
+            plan.write_group_scalars(group)
+        return plan, grads
+
+    def _step_group(self, gi: int, group: dict) -> None:
+        prepared = self._prepare(gi, group)
+        if prepared is not None:
+            self._launch(*prepared, group)
+
+    def _launch(self, plan: Plan, grads: list, group: dict) -> None:
+        """The device half of a step (what :meth:`capture` records for capturable plans)."""
         beta1, beta2 = group["betas"]
-        plan.write_step_scalars(lr, beta1, beta2)
-        kw = dict(lr=lr, betas=(beta1, beta2), eps=group["eps"], weight_decay=group["weight_decay"],
-                  num_warps=group["num_warps"])
+        if plan.capturable:  # scalars from the device step counters and lr; the kernels read the decay there
+            plan.write_step_scalars_on_device()
+            lr, wd = 0.0, 0.0
+        else:
+            lr, wd = float(group["lr"]), group["weight_decay"]
+            plan.write_step_scalars(lr, beta1, beta2)
+        kw = dict(lr=lr, betas=(beta1, beta2), eps=group["eps"], weight_decay=wd, num_warps=group["num_warps"])
         for b in plan.buckets:
             if b.route == "fp8_fused":
                 self._fp8_step(b, b.hyper, grads, kw)
             else:
                 launch_adamw(b.tables, b.hyper, **kw)
-            if b.route == "requantize":
-                for j, i in enumerate(b.members):
-                    if grads[i] is not None:
-                        local, master = b.pairs[j]
-                        local.copy_(master)  # the format requantizes itself (quantizer or its own rule)
+            if b.route == "requantize" and b.fused_format is None:  # the format requantizes the new master
+                requantize([b.pairs[j] for j, i in enumerate(b.members) if grads[i] is not None],
+                           batched=group.get("batch_amax_reduce", True))
+
+    # -- CUDA graphs ------------------------------------------------------------------------
+    def capture(self) -> None:
+        """Record one step of every param group in a CUDA graph; each later :meth:`step` replays it.
+
+        Needs ``capturable=True``, CUDA parameters, and one eager ``step()`` first (state, kernel
+        tables and Triton compilation happen outside the graph). The graph reads the gradients at
+        the addresses they had at capture: keep them in place (``zero_grad(set_to_none=False)``,
+        or a training step captured in a graph of its own). Replaying checks the first and last
+        parameter's grad address (a cheap guard against ``set_to_none`` grads, not a full check).
+        Parameters and optimizer state must keep their storage too: after ``p.data = ...``,
+        FSDP2 re-sharding or loading state, call :meth:`rebuild` (drops the graph) and capture again.
+        Per-tensor FP8 parameters whose quantizers all-reduce over a process group are refused
+        (collectives are not captured here). :meth:`rebuild`, ``load_state_dict`` and
+        ``add_param_group`` drop the graph; so does :meth:`release_graph`.
+        """
+        if not all(g.get("capturable", False) for g in self.param_groups):
+            raise ValueError("capture() needs FusedAdam(..., capturable=True): the host path writes host-computed "
+                             "step scalars that a graph would freeze at the captured step")
+        if len(self._plans) != len(self.param_groups):
+            raise RuntimeError("call step() once before capture(): state, kernel tables and compilation must "
+                               "happen outside the graph")
+        prepared = []
+        for gi, group in enumerate(self.param_groups):
+            plan = self._plan(gi, group)
+            if plan.device.type != "cuda":
+                raise ValueError(f"CUDA graphs need CUDA parameters, this param group lives on {plan.device}")
+            for b in plan.buckets:
+                if any(getattr(q, "group", None) is not None for q in b.quantizers) or any(
+                        getattr(local.quantizer, "group", None) is not None for local, _ in b.pairs):
+                    raise NotImplementedError("capture(): parameters whose quantizers all-reduce over a process "
+                                              "group are not captured (collectives); use the eager step")
+            p = self._prepare(gi, group)
+            if p is not None:
+                prepared.append((p, group, plan.last_grad_addresses))
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            for (plan, grads), group, _ in prepared:
+                self._launch(plan, grads, group)
+        torch.cuda.synchronize()
+        self._graph = graph
+        self._graph_groups = [(plan, group, addrs) for (plan, _), group, addrs in prepared]
+
+    def release_graph(self) -> None:
+        """Forget the captured step: the next :meth:`step` runs eagerly again."""
+        self._graph = None
+
+    def _replay(self) -> None:
+        for plan, group, addrs in self._graph_groups:
+            for i in (0, len(plan.params) - 1):
+                g = plan.params[i].grad
+                g = None if g is None else local_tensor(g)
+                if (-1 if g is None else g.data_ptr()) != addrs[i]:
+                    raise RuntimeError(f"parameter {i}'s gradient moved since capture() (zero_grad(set_to_none="
+                                       "True)?): a replayed step would read the old address. Keep gradients in "
+                                       "place, or call release_graph() / capture() again")
+            plan.write_group_scalars(group)
+        self._graph.replay()
 
     @staticmethod
     def _fp8_step(b: Bucket, hyper: torch.Tensor, grads: list, kw: dict) -> None:
@@ -265,7 +373,7 @@ class FusedAdam(torch.optim.Optimizer):
         for i, p in enumerate(group["params"]):  # fail now, not at the first step: e.g. no master weights
             if p.requires_grad:
                 route_param(local_tensor(p), group["master_weights"], i)
-        self._plans = {}
+        self.rebuild()
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
@@ -293,11 +401,11 @@ class FusedAdam(torch.optim.Optimizer):
                       else val)
                 for key, val in v.items()
             }
-        self._plans = {}
+        self.rebuild()
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         for group in self.param_groups:  # groups loaded from another optimizer lack our keys
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
-        self._plans = {}
+        self.rebuild()

@@ -14,6 +14,9 @@ callables (no Python bytecode per parameter: 30-100 ns each instead of ~1 us)::
                            contiguity), write each bucket's grad row (one non-blocking copy)
     write_step_scalars()   every parameter at the same step: two Python floats as torch.optim.AdamW
                            computes them, two fill_ per bucket; else a per-tensor [2, n] table
+                           capturable plans: one small kernel per bucket advances the DEVICE step
+                           counters and writes [3, n] scalars from the device lr (no host value
+                           per step, so the launches can be recorded in a CUDA graph and replayed)
 
 With thousands of small parameters the kernel is short and these passes are what a step costs on
 the host, for plain and DTensor parameters alike; ``benchmarks/bench_adam_fsdp2.py`` measures both
@@ -36,12 +39,15 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor
+from tutorial_kernels.adam_capturable import bias_correction_table, launch_step_scalars
 from tutorial_kernels.adam_tables import AdamTables, build_tables, copy_to_device, raw_address, set_grads
 
 from tutorial_lib.optim.adamw_reference import adam_step_scalars, adam_step_scalars_tensor
+from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer, FP8Blockwise1x128Tensor
+from tutorial_lib.quant.mxfp8 import MXFP8Quantizer, MXFP8Tensor
 from tutorial_lib.quant.tensor import is_quantized, local_tensor
 
-__all__ = ["ROUTES", "MASTER_ROUTES", "Bucket", "Plan", "fused_fp8_format", "route_param"]
+__all__ = ["ROUTES", "MASTER_ROUTES", "Bucket", "Plan", "fused_block_format", "fused_fp8_format", "route_param"]
 
 ROUTES = ("fp32", "lowp", "lowp_master", "fp8_fused", "requantize")
 MASTER_ROUTES = ("lowp_master", "fp8_fused", "requantize")
@@ -69,6 +75,32 @@ def fused_fp8_format(local: torch.Tensor) -> str | None:
     if q is None or not (hasattr(q, "record_amax") and isinstance(getattr(q, "scale", None), torch.Tensor)):
         return None
     return meta["fmt"]
+
+
+def fused_block_format(local: torch.Tensor) -> tuple[str, str] | None:
+    """``(out_kind, scale rule)`` if the Adam kernel can requantize this block-format tensor in its
+    own pass (``tutorial_kernels.adam_tables.BLOCK_OUTS``), else None (the two-pass requantize).
+
+    The kernel re-implements a quantizer's rounding rule, so the quantizer's exact class decides
+    (a subclass may change the rule): MXFP8 1x32 with an ``MXFP8Quantizer`` (floor or rceil), FP8
+    blockwise 1x128 with a ``BlockwiseFP8Quantizer`` (amax / 448 or pow2 scales). The element
+    bytes must be a contiguous uint8 buffer of the tensor's shape, the scales contiguous.
+    """
+    if not is_quantized(local):
+        return None
+    q, bufs = local.quantizer, local.raw_buffers()
+    if type(local) is MXFP8Tensor and type(q) is MXFP8Quantizer:
+        out, rule, scale, group = "mxfp8", q.rounding, bufs["scale_e8m0"], 32
+    elif type(local) is FP8Blockwise1x128Tensor and type(q) is BlockwiseFP8Quantizer and q.block == (1, 128):
+        out, rule, scale, group = "fp8_1x128", "pow2" if q.pow2_scales else "amax", bufs["scale_inv"], 128
+    else:
+        return None
+    data = bufs["data"]
+    if data.dtype != torch.uint8 or data.shape != local.shape or not data.is_contiguous():
+        return None
+    if not scale.is_contiguous() or scale.numel() * group != local.numel():
+        return None
+    return out, rule
 
 
 def route_param(local: torch.Tensor, master_weights: bool, index: int = 0) -> str:
@@ -126,7 +158,9 @@ class Bucket:
     tables: AdamTables
     quantizers: list = field(default_factory=list)  # fp8_fused
     pairs: list = field(default_factory=list)  # requantize: (local quantized tensor, master local)
-    hyper: torch.Tensor | None = None  # fp32 [2, n] on the device: this step's scalars (rewritten in place)
+    hyper: torch.Tensor | None = None  # fp32 [2, n] ([3, n] capturable) on the device: this step's scalars
+    fused_format: str | None = None  # requantize route done inside the kernel: "mxfp8" or "fp8_1x128"
+    device_index: torch.Tensor | None = None  # capturable: ``index`` on the device
 
 
 class Plan:
@@ -144,6 +178,8 @@ class Plan:
     """
 
     def __init__(self, group: dict, init_state: Callable[[torch.Tensor, torch.Tensor, str], dict]):
+        """``group`` keys used besides torch's: ``master_weights``, ``block``, ``capturable``
+        (device-side step scalars) and ``fuse_requantize`` (block formats requantized in the kernel)."""
         for key in ("amsgrad", "maximize"):  # e.g. hyper-parameters loaded from a torch.optim.AdamW state
             if group.get(key):
                 raise ValueError(f"FusedAdam does not implement {key}=True (found in a param group)")
@@ -173,15 +209,24 @@ class Plan:
         # One CPU vector of step counts; state["step"] are 0-d views into it (one add per step).
         self.steps = torch.stack([s["step"].detach().to("cpu", torch.float32).reshape(()) for s in states]) \
             if states else torch.zeros(0)
+        self.note_steps()
+        self.capturable = bool(group.get("capturable", False))
+        if self.capturable:  # step counts, lr and weight decay live on the device (see write_step_scalars)
+            self.steps = self.steps.to(self.device)
+            self.active_device = torch.zeros(len(self.params), device=self.device)
+            self.group_scalars = torch.zeros(2, dtype=torch.float64, device=self.device)  # lr, weight_decay
+            self.written_scalars: tuple | None = None
+            self.powers = bias_correction_table(*group["betas"], self.device)
         for i, s in enumerate(states):
             s["step"] = self.steps[i]
-        self.note_steps()
 
         self.buckets: list[Bucket] = []
         keys: dict[tuple, list[int]] = {}
+        fuse = group.get("fuse_requantize", True)
         for i, (t, r) in enumerate(zip(locs, routes)):
-            keys.setdefault((r, t.dtype, fused_fp8_format(t)), []).append(i)
-        for (route, dtype, fmt), members in keys.items():
+            block_fmt = fused_block_format(t) if fuse and r == "requantize" else None
+            keys.setdefault((r, t.dtype, fused_fp8_format(t), block_fmt), []).append(i)
+        for (route, dtype, fmt, block_fmt), members in keys.items():
             w, m, v, outs, invs, quantizers, pairs = [], [], [], None, None, [], []
             for i in members:
                 s, t = states[i], locs[i]
@@ -197,13 +242,21 @@ class Plan:
                 if len({id(q) for q in quantizers}) != len(quantizers):
                     raise ValueError("each FP8 parameter with delayed scaling needs its own quantizer "
                                      "(its amax history); some parameters share one")
+            elif block_fmt is not None:  # bytes and block scales written by the kernel, from the new master
+                scale_name = "scale_e8m0" if block_fmt[0] == "mxfp8" else "scale_inv"
+                outs = [locs[i].raw_buffers()["data"] for i in members]
+                invs = [locs[i].raw_buffers()[scale_name] for i in members]
             elif route == "requantize":
                 pairs = [(locs[i], w[j]) for j, i in enumerate(members)]
-            out_kind = {"lowp_master": "lowp", "fp8_fused": "fp8"}.get(route, "none")
+            out_kind = block_fmt[0] if block_fmt else {"lowp_master": "lowp", "fp8_fused": "fp8"}.get(route, "none")
             tables = build_tables(w, m, v, grad_dtype=dtype, outs=outs, out_kind=out_kind, scale_invs=invs,
-                                  fp8_format=fmt, block=block)
+                                  fp8_format=fmt, block=block, block_rule=block_fmt[1] if block_fmt else None)
             index = None if members == list(range(len(self.params))) else torch.tensor(members)
-            self.buckets.append(Bucket(route, members, index, tables, quantizers, pairs))
+            bucket = Bucket(route, members, index, tables, quantizers, pairs,
+                            fused_format=out_kind if block_fmt else None)
+            if self.capturable and index is not None:
+                bucket.device_index = index.to(self.device)
+            self.buckets.append(bucket)
 
     def locals(self) -> list[torch.Tensor]:
         if self.kind == "plain":
@@ -291,6 +344,8 @@ class Plan:
         for b in self.buckets:
             set_grads(b.tables, t if b.index is None else t[b.index])
         self.active = has_grad.to(torch.float32)
+        if self.capturable:
+            copy_to_device(self.active, self.active_device)
         self.any_active = bool(has_grad.any())
         self.all_active = bool(has_grad.all())
         self.last_grad_addresses = addresses
@@ -318,3 +373,27 @@ class Plan:
         for b in self.buckets:
             copy_to_device(hyper if b.index is None else hyper[:, b.index], b.hyper)
         self.note_steps()
+
+    def write_group_scalars(self, group: dict) -> None:
+        """Capturable plans: put the group's lr and weight decay on the device when they changed
+        (a Python float: one fill, no sync; a tensor lr, e.g. from a scheduler: copied every step)."""
+        lr, wd = group["lr"], group["weight_decay"]
+        if isinstance(lr, torch.Tensor):
+            self.group_scalars[0].copy_(lr.reshape(()), non_blocking=True)
+            lr = None
+        if (lr, wd) != self.written_scalars:
+            if lr is not None:
+                self.group_scalars[0].fill_(float(lr))
+            self.group_scalars[1].fill_(float(wd))
+            self.written_scalars = (lr, wd)
+
+    def write_step_scalars_on_device(self) -> None:
+        """Capturable plans: advance the device step counters of the parameters with grads and write
+        every bucket's fp32 [3, n] scalars (step_size, bias_correction2_sqrt, 1 - lr * wd) with one
+        small kernel per bucket -- the same numbers as :meth:`write_step_scalars`, bit for bit
+        (``tutorial_kernels.adam_capturable``), with nothing read from or computed on the host."""
+        for b in self.buckets:
+            if b.hyper is None or b.hyper.shape[0] != 3:
+                b.hyper = torch.empty((3, len(b.members)), dtype=torch.float32, device=self.device)
+            launch_step_scalars(self.steps, self.active_device, self.group_scalars, self.powers, b.hyper,
+                                b.device_index if b.index is not None else None)

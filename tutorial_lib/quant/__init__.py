@@ -5,7 +5,9 @@
 ``per_tensor``      the torch reference per-tensor FP8 casts (the Triton kernels match it byte for byte)
 ``fallback``        what an op without a quantized handler does: allow / warn / strict, counters
 ``serialization``   pickling quantized tensors; what ``torch.load(weights_only=True)`` may rebuild
+``conversion``      ``.float()`` / ``.to(dtype)`` return plain values; relabelling the nominal dtype is explicit
 ``tensor``          ``QuantizedTensor``: the storage protocol every format implements
+``scale_group``     the shard group of a shard-shared scale: shared by deepcopy, refused after unpickling
 ``base_ops``        the dispatch table every format inherits (copy_, clone, .to, new_zeros, ...)
 ``float8``          ``Float8Tensor`` with current and delayed scaling
 ``block``           what the block-scaled formats share (``BlockScaledTensor``, block helpers)

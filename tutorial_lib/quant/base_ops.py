@@ -7,15 +7,25 @@ quantized and which caller needs it::
     copy_            raw bytes between equal layouts; quantize into / dequantize out of
     detach, alias    nn.Parameter, state_dict, DTensor wrap the same buffers
     clone            deepcopy, .contiguous(), reshape of a copy
-    _to_copy         .to(device) / .cpu() / .cuda(): buffers move, the tensor stays quantized
+    _to_copy         .to(device) / .cpu() / .cuda(): buffers move, the tensor stays quantized;
+                     .float() / .to(other float dtype): a PLAIN dequantized tensor (see below)
     is_pinned, _pin_memory   DCP staging and FSDP2 CPU offload
     as_strided       only the identity (FSDP2 re-strides its unsharded parameter)
     *_like           PLAIN tensors of the nominal dtype (optimizer state must not be FP8)
     new_empty/zeros  the SAME subclass (FSDP2 pads shards, DCP's stager fills new_empty)
 
+A float dtype conversion is a request for VALUES in that dtype: ``q.float()``, ``q.to(torch.bfloat16)``
+return plain tensors (``q.dequantize(dtype)``), never a quantized tensor relabelled with a new
+nominal dtype; relabelling is explicit (``q.with_nominal_dtype(dtype)``, ``nominal_dtype_casts()``).
+Why, and the same-dtype case that never reaches dispatch: :mod:`tutorial_lib.quant.conversion`.
+
 Example::
 
     from tutorial_lib.quant.base_ops import dispatch_table_summary, trace_dispatch
+    from tutorial_lib.quant.conversion import nominal_dtype_casts
+    q.float()                                   # plain fp32 tensor == q.dequantize(torch.float32)
+    with nominal_dtype_casts():
+        model.to(torch.bfloat16)                # quantized params stay quantized, nominal dtype bf16
     dispatch_table_summary(Float8Tensor)      # [(op, class that registered it, why), ...]
     trace_dispatch({"q.view(-1)": lambda: q.view(-1), "q + 1": lambda: q + 1})
 """
@@ -26,6 +36,7 @@ from collections.abc import Callable
 
 import torch
 
+from tutorial_lib.quant.conversion import nominal_casts_enabled
 from tutorial_lib.quant.fallback import FALLBACKS, REQUANTIZES, fallback_mode
 from tutorial_lib.quant.tensor import QuantizedTensor, copy_into
 
@@ -67,20 +78,22 @@ def _handle_clone(func, args, kwargs):
 
 @QuantizedTensor.implements(aten._to_copy.default)
 def _handle_to_copy(func, args, kwargs):
-    """_to_copy (.to/.cpu/.cuda): move buffers, stay quantized; a float dtype only changes the nominal dtype."""
+    """_to_copy: .to(device) moves buffers, stays quantized; .float()/.to(float dtype) -> PLAIN dequantized."""
     t = args[0]
     dtype = kwargs.get("dtype") or t.dtype
-    if not dtype.is_floating_point or dtype.itemsize < 2 or kwargs.get("layout") not in (None, torch.strided):
-        return NotImplemented  # .to(torch.int32) / float8 / sparse: only a dequantize can answer that
+    if not dtype.is_floating_point or kwargs.get("layout") not in (None, torch.strided):
+        return NotImplemented  # .to(torch.int32) / sparse: a fallback (counted, or refused when strict)
     device = kwargs.get("device") or t.device
     mf = kwargs.get("memory_format")
+    non_blocking = bool(kwargs.get("non_blocking"))
+    if dtype != t.dtype and not (nominal_casts_enabled() and dtype.itemsize >= 2):
+        # A conversion asks for values in `dtype`: dequantize once (fp32 math), then cast/move.
+        hp = t.dequantize(dtype if dtype.itemsize >= 2 and dtype != torch.float64 else torch.float32)
+        out = hp.to(device=device, dtype=dtype, non_blocking=non_blocking,
+                    memory_format=mf if mf is not None else torch.preserve_format)
+        return out.pin_memory() if kwargs.get("pin_memory") else out
     bufs = {
-        n: b.to(
-            device=device,
-            non_blocking=bool(kwargs.get("non_blocking")),
-            copy=True,
-            memory_format=_buffer_memory_format(t, b, mf),
-        )
+        n: b.to(device=device, non_blocking=non_blocking, copy=True, memory_format=_buffer_memory_format(t, b, mf))
         for n, b in t.raw_buffers().items()
     }
     if kwargs.get("pin_memory"):

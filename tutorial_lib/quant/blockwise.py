@@ -63,7 +63,9 @@ def _check_block(block) -> tuple[int, ...]:
 
 def blockwise_scale_inv(amax: torch.Tensor, pow2_scales: bool = False) -> torch.Tensor:
     """Per-block dequantization multiplier from fp32 block amaxes (see module docstring)."""
-    s = amax / E4M3_MAX
+    # tensor / tensor: one IEEE division on every device (torch's CUDA ``tensor / python_scalar``
+    # multiplies by the fp32 reciprocal instead, 1 ulp off for some amaxes: GPU and CPU scales differ)
+    s = amax / torch.full_like(amax, E4M3_MAX)
     if pow2_scales:
         s = exp2_int(ceil_log2(s).clamp(-127, 127))
     s = torch.where(amax == 0, torch.ones_like(s), s)

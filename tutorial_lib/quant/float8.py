@@ -48,8 +48,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import tutorial_kernels.fp8_cast as fp8_cast_kernels
 
@@ -63,6 +61,7 @@ from tutorial_lib.quant.per_tensor import (
     quantize_per_tensor,
     scale_from_amax,
 )
+from tutorial_lib.quant.scale_group import ScaleGroupMixin
 from tutorial_lib.quant.serialization import add_safe_global
 from tutorial_lib.quant.tensor import Layout, QuantizedTensor
 
@@ -193,20 +192,27 @@ class Float8Tensor(QuantizedTensor):
         else:  # partial view, different scale: the values must be requantized
             self._quantize_from(src.dequantize(torch.float32).to(self.device))
 
-    def _quantize_from(self, hp: torch.Tensor) -> None:
+    def requantize_target(self, hp: torch.Tensor) -> tuple[Float8Tensor, torch.Tensor]:
+        """``(tensor, values)`` that writing ``hp`` into ``self`` requantizes: ``(self, hp)``, or for a
+        partial view -- which cannot get a new scale alone -- its root and the root's values with the
+        view's region replaced by ``hp`` (the whole root is rescaled)."""
         root = self._view_root
+        if root is None:
+            return self, hp
+        whole = torch.empty_strided(root._data.shape, root._data.stride(), dtype=torch.float32, device=root.device)
+        whole.copy_(root.dequantize(torch.float32))
+        offset = self._data.storage_offset() - root._data.storage_offset()
+        whole.as_strided(self._data.shape, self._data.stride(), offset).copy_(hp)
+        return root, whole
+
+    def _quantize_from(self, hp: torch.Tensor) -> None:
         if self.quantizer is None:
             self._quantize_without_quantizer(hp)
-        elif root is None:
-            self.quantizer.quantize_into(self, hp)
         else:
-            # A partial view cannot get a new scale alone: rescale the whole root (every rank of an
-            # FSDP2 group takes this same path, so a quantizer's amax all-reduce stays matched).
-            whole = torch.empty_strided(root._data.shape, root._data.stride(), dtype=torch.float32, device=root.device)
-            whole.copy_(root.dequantize(torch.float32))
-            offset = self._data.storage_offset() - root._data.storage_offset()
-            whole.as_strided(self._data.shape, self._data.stride(), offset).copy_(hp)
-            self.quantizer.quantize_into(root, whole)
+            # a view rescales its whole root; every rank of an FSDP2 group issues the quantizer's one
+            # amax all-reduce either way, so the collectives stay matched with uneven shards
+            target, values = self.requantize_target(hp)
+            self.quantizer.quantize_into(target, values)
 
 
 def _per_tensor_view(func, args, kwargs):
@@ -250,14 +256,15 @@ def _backend(name: str, x: torch.Tensor):
     return fp8_cast_kernels
 
 
-class _PerTensorQuantizer:
-    """Shared plumbing: format checks, the optional process group, pickling and copying.
+class _PerTensorQuantizer(ScaleGroupMixin):
+    """Shared plumbing: format checks and the optional process group.
 
-    A ``torch.distributed.ProcessGroup`` can be neither pickled nor deep-copied. Pickling
-    (``torch.save``, DCP, sending to another process) drops it: the group means nothing in
-    another process. The unpickled quantizer then *refuses* to quantize until
-    :meth:`set_group` is called -- silently scaling per shard instead would give every rank a
-    different scale. ``copy.deepcopy`` stays in this process and shares the group."""
+    A ``torch.distributed.ProcessGroup`` can be neither pickled nor deep-copied
+    (:class:`~tutorial_lib.quant.scale_group.ScaleGroupMixin`). Pickling (``torch.save``, DCP,
+    sending to another process) drops it: the group means nothing in another process. The
+    unpickled quantizer then *refuses* to quantize until :meth:`set_group` is called -- silently
+    scaling per shard instead would give every rank a different scale. ``copy.deepcopy`` stays in
+    this process and shares the group."""
 
     def __init__(self, fmt: str, group, backend: str):
         if fmt not in FP8_FORMATS:
@@ -269,39 +276,10 @@ class _PerTensorQuantizer:
         self.group_dropped = False
         self.backend = backend
 
-    # -- process group handling
-    def set_group(self, group) -> None:
-        """(Re)attach the amax-reduction group (None: scale from the local tensor only)."""
-        self.group = group
-        self.group_dropped = False
-
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        if state.get("group") is not None:  # a ProcessGroup does not pickle
-            state["group"] = None
-            state["group_dropped"] = True
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-
-    def __deepcopy__(self, memo):
-        if self.group is not None:
-            memo[id(self.group)] = self.group  # share the handle instead of copying it
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return new
-
     def _reduce(self):
-        if self.group_dropped:
-            raise RuntimeError(
-                f"this {type(self).__name__} reduced its amax over a process group that was dropped when it "
-                "was pickled; call .set_group(group) to restore it (or .set_group(None) to scale locally)"
-            )
-        if self.group is None:
+        group = self.amax_group()
+        if group is None:
             return None
-        group = self.group
         return lambda a: all_reduce_amax(a, group)
 
     # -- building the quantized tensor
@@ -352,9 +330,12 @@ class CurrentScaling(_PerTensorQuantizer):
         return (f"CurrentScaling(fmt={self.fmt!r}, pow2={self.pow2}, amax_eps={self.amax_eps:g}, "
                 f"group={'dropped' if self.group_dropped else self.group})")
 
-    def cast(self, x: torch.Tensor, *, out: torch.Tensor | None = None, scale_guess=None) -> CastResult:
+    def cast(self, x: torch.Tensor, *, out: torch.Tensor | None = None, scale_guess=None,
+             reduced_amax: torch.Tensor | None = None) -> CastResult:
+        """``reduced_amax``: this tensor's amax already reduced over the group (e.g. one all-reduce
+        for many tensors, ``tutorial_lib.optim.amax_reduce``); used instead of reducing here."""
         check_input(x, self.fmt)
-        reduce = self._reduce()
+        reduce = self._reduce() if reduced_amax is None else (lambda a: a.copy_(reduced_amax))
         be = _backend(self.backend, x)
         return be.cast_current_scaling(x, self.fmt, pow2=self.pow2, amax_eps=self.amax_eps, reduce_amax=reduce,
                                        scale_guess=scale_guess, out=out)
@@ -363,12 +344,13 @@ class CurrentScaling(_PerTensorQuantizer):
         """A Float8Tensor of ``x`` (nominal dtype and shape of ``x``) holding this quantizer."""
         return self._make(x, self.cast(x))
 
-    def quantize_into(self, dst, x: torch.Tensor) -> None:
+    def quantize_into(self, dst, x: torch.Tensor, *, reduced_amax: torch.Tensor | None = None) -> None:
         """Requantize ``x`` into ``dst``'s buffers in place. With ``pow2`` the destination's old
-        scale is the guess of the one-pass speculative Triton cast (same bytes either way)."""
+        scale is the guess of the one-pass speculative Triton cast (same bytes either way).
+        ``reduced_amax``: as in :meth:`cast`."""
         bufs = self._check_dst(dst, x)
         guess = bufs["scale_inv"].reciprocal() if self.pow2 else None
-        self._write(bufs, self.cast(x, out=self._out(bufs, x), scale_guess=guess))
+        self._write(bufs, self.cast(x, out=self._out(bufs, x), scale_guess=guess, reduced_amax=reduced_amax))
 
 
 class DelayedScaling(_PerTensorQuantizer):

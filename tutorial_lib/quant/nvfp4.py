@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from tutorial_lib.quant.block import (
     E4M3_MAX,
@@ -50,6 +51,7 @@ from tutorial_lib.quant.block import (
     to_e4m3_bytes,
 )
 from tutorial_lib.quant.formats import decode, encode
+from tutorial_lib.quant.scale_group import ScaleGroupMixin
 from tutorial_lib.quant.tensor import add_safe_global
 
 NVFP4_BLOCKS = ((1, 16), (16, 16))
@@ -86,7 +88,9 @@ def nvfp4_global_scale_inv(amax: torch.Tensor) -> torch.Tensor:
     """``amax / (448 * 6)``: maps the tensor's amax onto the largest block scale times E2M1's max.
     An all-zero tensor gets 1.0; a NaN/inf amax gives NaN (every block then decodes to NaN)."""
     amax = torch.as_tensor(amax, dtype=torch.float32)
-    g = amax / (E4M3_MAX * E2M1_MAX)
+    # tensor / tensor: one IEEE division on every device (CUDA's ``tensor / python_scalar`` multiplies by
+    # the fp32 reciprocal: 1 ulp off for some amaxes, so GPU and CPU bytes would differ)
+    g = amax / torch.full_like(amax, E4M3_MAX * E2M1_MAX)
     g = torch.where((amax == 0) | (g == 0), torch.ones_like(g), g)
     return torch.where(torch.isfinite(g), g, torch.full_like(g, float("nan")))
 
@@ -111,7 +115,7 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, global_amax: torch.Tensor 
     xb = to_blocks(x.to(torch.float32), dims)
     amax_b = block_amax(x, dims)
     bad = ~torch.isfinite(amax_b) | ~torch.isfinite(gsi)
-    scale = to_e4m3_bytes(amax_b / E2M1_MAX / gsi)
+    scale = to_e4m3_bytes(amax_b / torch.full_like(amax_b, E2M1_MAX) / gsi)  # true divisions (see above)
     scale = torch.where(bad, torch.full_like(scale, E4M3_NAN_CODE), scale)
     denom = (e4m3_bytes_to_fp32(scale) * gsi).unsqueeze(-1)
     ok = (denom > 0) & torch.isfinite(denom)
@@ -195,12 +199,14 @@ class NVFP4Tensor16x16(NVFP4Tensor):
     block = (16, 16)
 
 
-class NVFP4Quantizer(BlockQuantizer):
+class NVFP4Quantizer(ScaleGroupMixin, BlockQuantizer):
     """Makes and refreshes NVFP4 tensors. ``group``: a process group whose ranks all-reduce
     (max) the amax, so every FSDP2 shard of one weight uses the same global scale.
 
-    Picklable and deep-copyable: the group is dropped (``__getstate__``); an unpickled
-    quantizer computes local global scales until a group is attached again.
+    The group follows the rule of the per-tensor FP8 quantizers
+    (:class:`~tutorial_lib.quant.scale_group.ScaleGroupMixin`): ``copy.deepcopy`` shares it; a
+    pickled (``torch.save``, DCP) quantizer drops it and refuses to quantize until ``set_group``
+    is called -- never a silently local global scale.
 
     Example::
 
@@ -210,13 +216,11 @@ class NVFP4Quantizer(BlockQuantizer):
 
     def __init__(self, block=(1, 16), group=None):
         _check_block(block)
-        self.block, self.group = tuple(block), group
+        self.block, self.group, self.group_dropped = tuple(block), group, False
 
     def __repr__(self) -> str:
-        return f"NVFP4Quantizer(block={self.block}, group={'set' if self.group is not None else None})"
-
-    def __getstate__(self):
-        return {"block": self.block, "group": None}
+        group = "dropped" if self.group_dropped else ("set" if self.group is not None else None)
+        return f"NVFP4Quantizer(block={self.block}, group={group})"
 
     @property
     def tensor_class(self) -> type:
@@ -224,10 +228,9 @@ class NVFP4Quantizer(BlockQuantizer):
 
     def quantize_buffers(self, hp: torch.Tensor) -> dict:
         amax = tensor_amax(hp)
-        if self.group is not None:
-            import torch.distributed as dist
-
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.group)
+        group = self.amax_group()
+        if group is not None:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         data, scale, gsi = quantize_nvfp4(hp, self.block, global_amax=amax)
         return {"data": data, "scale_e4m3": scale, "global_scale_inv": gsi}
 

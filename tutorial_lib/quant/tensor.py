@@ -29,6 +29,7 @@ concrete format)::
 
     t.raw_buffers() -> {name: Tensor}        t.meta() -> {name: value}       t.quantizer
     t.dequantize(dtype=None) -> Tensor       t.view_allowed(shape) -> bool   t.quantized_nbytes()
+    t.float(), t.to(float dtype) -> PLAIN    t.with_nominal_dtype(dtype) -> the same bytes relabelled
     type(t).from_buffers(buffers, meta, shape, dtype, quantizer=None)
     type(t).quant_layout -> Layout           is_quantized(t), local_tensor(t)
 
@@ -62,6 +63,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from tutorial_lib.quant import fallback
+from tutorial_lib.quant.conversion import FloatConversions
 from tutorial_lib.quant.fallback import FALLBACKS, REQUANTIZES, QuantizedFallbackError
 from tutorial_lib.quant.serialization import PicklableWrapper, add_safe_global, register_safe_globals
 
@@ -116,7 +118,7 @@ _WRITES: dict = {}
 add_safe_global(Layout)  # quantized tensors pickle their class-level Layout with them
 
 
-class QuantizedTensor(PicklableWrapper, torch.Tensor):
+class QuantizedTensor(PicklableWrapper, FloatConversions, torch.Tensor):
     """Base class of every quantized tensor: see the module docstring for the protocol."""
 
     _buffer_names: tuple[str, ...] = ()
@@ -255,6 +257,19 @@ class QuantizedTensor(PicklableWrapper, torch.Tensor):
         if fixed == 0:
             return True
         return len(shape) >= fixed and tuple(shape[-fixed:]) == tuple(self.shape[-fixed:])
+
+    def with_nominal_dtype(self, dtype: torch.dtype) -> QuantizedTensor:
+        """The same quantized values under another nominal dtype: same buffers (no copy, no rounding).
+
+        ``q.float()`` / ``q.to(dtype)`` return a PLAIN dequantized tensor; relabelling is this explicit
+        call (``conversion.nominal_dtype_casts`` does it for ``module.to(dtype)``). Not differentiable::
+
+            q.float()                               # plain fp32 tensor with q's values
+            q.with_nominal_dtype(torch.float32)     # still quantized; dequantizes to fp32 on use
+        """
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+            raise TypeError(f"nominal dtype must be a high-precision float dtype (fp32/bf16/fp16), got {dtype}")
+        return self._wrap_like(self.raw_buffers(), self.shape, dtype, view=True)
 
     def _wrap_like(self, buffers: dict, shape, dtype: torch.dtype | None = None, *, view: bool):
         """A new wrapper with this tensor's meta and quantizer; ``view=True`` tracks partial views.

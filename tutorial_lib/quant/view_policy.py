@@ -60,6 +60,7 @@ __all__ = [
     "RawBytesError",
     "allow_flat_views",
     "flat_raw_bytes",
+    "flat_view_scope",
     "get_view_policy",
     "install_view_policy",
     "set_view_policy",
@@ -128,6 +129,14 @@ def allow_flat_views(result: str = "raw_bytes") -> Iterator[None]:
         scopes.pop()
 
 
+def flat_view_scope() -> str | None:
+    """The innermost active :func:`allow_flat_views` result on this thread ("raw_bytes" /
+    "dequantize"), or None outside any scope. The FSDP2 integration records it when FSDP2 first
+    flattens a shard, so FSDP2's later re-flattens of that shard get the same answer."""
+    scopes = _local.__dict__.get("scopes")
+    return scopes[-1] if scopes else None
+
+
 def _requested_shape(t: QuantizedTensor, args, kwargs) -> tuple[int, ...]:
     size = tuple(args[1] if len(args) > 1 else kwargs["size"])
     if -1 in size:
@@ -190,7 +199,7 @@ class RawBytes(torch.Tensor):
         "view", "reshape", "flatten", "narrow", "split", "chunk", "__getitem__", "__setitem__", "copy_",
         "clone", "detach", "to", "cpu", "cuda", "contiguous", "numel", "size", "dim", "stride",
         "storage_offset", "data_ptr", "untyped_storage", "element_size", "is_contiguous", "is_pinned",
-        "pin_memory", "equal", "__len__", "__deepcopy__", "__reduce_ex__", "new_empty", "new_zeros",
+        "pin_memory", "equal", "__len__", "__deepcopy__", "__reduce_ex__", "new_empty", "new_zeros", "empty_like",
         "as_subclass", "requires_grad_", "__get__",
     })
 

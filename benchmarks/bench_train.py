@@ -1,0 +1,80 @@
+"""Benchmark: end-to-end training of the lesson-10 transformer in every weight format against bf16, same run.
+
+Per format: median milliseconds per optimizer step and tokens/s (all ranks; evaluation and checkpoint
+time excluded), peak memory per rank (``torch.cuda.max_memory_allocated``), the validation loss after
+the run, and which matmul the format uses (FP8 GEMMs for fp8 / fp8_delayed / fp8_128x128,
+dequantize-on-use otherwise). ``tflops`` counts 6 x (non-embedding parameters) x tokens per step --
+the linear layers' forward and backward, attention's score and value matmuls left out -- so it is a
+model-FLOP rate, not a GEMM rate. ``peers`` holds bf16's step time from the same run.
+
+    python benchmarks/bench_train.py                     # every visible GPU, size medium, results/
+    python benchmarks/bench_train.py --world-size 1 --steps 40
+    python benchmarks/bench_train.py --quick             # 2 CPU ranks, tiny model, temp dir
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import torch
+
+from tutorial_lib.dist.launcher import launch
+from tutorial_lib.harness.bench import copy_bandwidth_GBps, write_results
+from tutorial_lib.lessons.end_to_end_training import train_runs
+from tutorial_lib.train.loop import TrainConfig
+from tutorial_lib.train.transformer import TransformerConfig
+
+FORMATS = ("bf16", "fp8", "fp8_delayed", "mxfp8", "fp8_128x128", "nvfp4_1x16")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="results directory (default benchmarks/results/)")
+    p.add_argument("--quick", action="store_true", help="2 CPU ranks, tiny model, results to a temp dir")
+    p.add_argument("--world-size", type=int, default=None, help="ranks (default: every visible GPU)")
+    p.add_argument("--size", default="medium")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--formats", default=",".join(FORMATS))
+    a = p.parse_args(argv)
+    if a.quick:
+        device, ws, size, steps, out = "cpu", 2, "tiny", 6, a.out or tempfile.mkdtemp(prefix="bench-train-")
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("no GPU: the full benchmark needs CUDA; use --quick for a CPU smoke run")
+        device, ws, size, steps = "cuda", a.world_size or torch.cuda.device_count(), a.size, a.steps
+        out = a.out or "benchmarks/results"
+    formats = a.formats.split(",")
+    cfgs = [TrainConfig(fmt=f, size=size, steps=steps, batch_size=a.batch_size, lr=2e-3, warmup=max(1, steps // 10),
+                        eval_every=steps, log_every=max(1, steps // 6), eval_windows=64, device=device,
+                        progress=False, deterministic=False) for f in formats]
+    sweep = launch(train_runs, world_size=ws, device=device, args=(cfgs, True), timeout=3000)[0]
+    model = TransformerConfig.preset(size)
+    emb = (model.vocab + model.seq_len) * model.dim
+    tokens = ws * a.batch_size * model.seq_len
+    bf16 = dict(zip(formats, sweep.results)).get("bf16")
+    cases, failed = [], {}
+    for f, r, err in zip(formats, sweep.results, sweep.errors):
+        if r is None:
+            failed[f] = err[:500]
+            print(f"{f}: FAILED: {err[:300]}")
+            continue
+        gib = ", ".join(f"{m / 2**30:.2f}" for m in r.peak_memory_bytes)
+        name = (f"{f}: {r.matmul.split(' (')[0].split(':')[0]}; {size} ({r.n_params / 1e6:.0f}M params), {ws} rank(s), "
+                f"{tokens} tokens/step; val loss {r.final_val_loss:.4f} after {steps} steps; "
+                f"{r.tokens_per_s:,.0f} tokens/s; peak GiB per rank [{gib}]")
+        print(name, f"{r.step_ms:.1f} ms/step")
+        cases.append({"name": name, "ours_ms": round(r.step_ms, 3),
+                      "peers": {} if (bf16 is None or f == "bf16") else {"bf16": round(bf16.step_ms, 3)},
+                      "bytes": 0, "fraction_of_copy": 0.0,
+                      "tflops": float(f"{6 * (r.n_params - emb) * tokens / (r.step_ms * 1e-3) / 1e12:.3g}"),
+                      "format": f, "matmul": r.matmul, "val_loss": r.final_val_loss, "tokens_per_s": r.tokens_per_s,
+                      "peak_memory_bytes": r.peak_memory_bytes, "losses": r.losses})
+    path = write_results(out, "train", cases, copy_bandwidth_GBps(device),
+                         extra={"world_size": ws, "size": size, "steps": steps, "failed": failed})
+    print("results:", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Rendered lessons: committed copies match their lessons, the README links exactly them, and the
+renderer keeps copies small, honest (passing runs only) and free of run noise."""
+
+import base64
+import io
+
+import nbformat
+import pytest
+from PIL import Image, ImageDraw
+
+from tutorial_lib.harness import render
+from tutorial_lib.harness.checks import PASS_MARK
+
+
+def test_committed_rendered_copies_match_their_lessons():
+    copies = render.rendered_copies()
+    if not copies:
+        pytest.skip(f"no rendered copies in {render.RENDERED_DIR} yet (made on a GPU node: {render.REGENERATE})")
+    problems = render.check_rendered()
+    for path in copies:  # the README presents them as GPU runs
+        params = nbformat.read(path, as_version=4).metadata.get(render.METADATA_KEY, {}).get("parameters", {})
+        if params.get("device") != "cuda":
+            problems.append(f"{path.name}: ran with {params}, not on GPUs")
+    assert not problems, ("rendered copies out of date with their lessons:\n  " + "\n  ".join(problems)
+                          + f"\nregenerate them with `{render.REGENERATE}` (or `--from` a `make lessons` output)")
+
+
+def test_readme_links_exactly_the_rendered_copies():
+    text = render.README.read_text(encoding="utf-8")
+    names = [p.name for p in render.rendered_copies()]
+    assert render.readme_with_links(text, names) == text, (
+        f"README.md's lesson table must link the rendered copies {names} and no others: "
+        "`python -m tutorial_lib.harness.render --check` lists them; the render command rewrites the links")
+
+
+# --- the renderer, on synthetic lessons --------------------------------------------------------
+
+
+def _png(width: int, height: int) -> str:
+    img = Image.new("RGBA", (width, height), (255, 255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    for i in range(0, width, 37):
+        draw.line([(i, 0), (width - i, height)], fill=(30, 90, 200, 255), width=2)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _lesson(tmp_path, name="00_synthetic.ipynb"):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    params = nbformat.v4.new_code_cell('device = "auto"\nworld_size = 2\nquick = True')
+    params.metadata["tags"] = ["parameters"]
+    check = nbformat.v4.new_code_cell("check(True, 'x')")
+    check.metadata["tags"] = ["self-check"]
+    nb.cells = [nbformat.v4.new_markdown_cell("# t\nWhat you will learn: x"), params,
+                nbformat.v4.new_code_cell("plot()"), check]
+    src_dir = tmp_path / "notebooks"
+    src_dir.mkdir(exist_ok=True)
+    nbformat.write(nb, src_dir / name)
+    return src_dir / name
+
+
+def _executed(source, tmp_path, *, png_width=600, passed=True, stream="step 1\rstep 2\rstep 3 done\n"):
+    """What papermill writes for ``source``: injected parameters, outputs, run metadata."""
+    nb = nbformat.read(source, as_version=4)
+    injected = nbformat.v4.new_code_cell('# Parameters\ndevice = "cpu"\n')
+    injected.metadata["tags"] = ["injected-parameters"]
+    nb.cells.insert(2, injected)
+    nb.metadata["papermill"] = {"parameters": {"device": "cpu", "world_size": 2, "quick": True},
+                                "input_path": str(source), "output_path": "/abs/path/out.ipynb"}
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+    for n, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+        cell.execution_count = n + 1
+        cell.metadata["papermill"] = {"duration": 0.1}
+        cell.metadata["execution"] = {"iopub.status.busy": "2026-01-01T00:00:00Z"}
+    plot, check = nb.cells[3], nb.cells[4]
+    plot.outputs = [
+        nbformat.v4.new_output("stream", name="stderr", text="sizes:  40%|####      | 2/5 [00:03<00:04]\r"
+                                                             "sizes: 100%|##########| 5/5 [00:07<00:00]\n"),
+        nbformat.v4.new_output("stream", name="stdout", text=stream),
+        nbformat.v4.new_output("display_data", data={"image/png": _png(png_width, 200), "text/plain": "<Figure>"}),
+        nbformat.v4.new_output("display_data", data={"application/vnd.jupyter.widget-view+json": {"model_id": "a"}}),
+    ]
+    check.outputs = [nbformat.v4.new_output("stream", name="stdout", text=f"{PASS_MARK} x\n" if passed else "\n")]
+    path = tmp_path / "executed" / source.name
+    path.parent.mkdir(exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+META = {"machine": "test", "parameters": {}}
+
+
+def test_render_keeps_the_lesson_and_drops_the_run_noise(tmp_path):
+    source = _lesson(tmp_path)
+    out_dir = tmp_path / "rendered"
+    r = render.render_notebook(_executed(source, tmp_path), source, out_dir / source.name, META)
+    nb = nbformat.read(r.target, as_version=4)
+    assert "papermill" not in nb.metadata and "widgets" not in nb.metadata
+    assert nb.metadata[render.METADATA_KEY]["machine"] == "test"
+    assert not any(k in c.metadata for c in nb.cells for k in ("papermill", "execution"))
+    plot = nb.cells[3]
+    texts = [o.text for o in plot.outputs if o.output_type == "stream"]
+    assert texts == ["step 3 done\n"], "progress bars dropped, carriage returns collapsed"
+    assert [list(o.data) for o in plot.outputs if o.output_type == "display_data"] == [["image/png", "text/plain"]]
+    assert (r.images, r.images_scaled) == (1, 0)
+    assert "injected-parameters" in nb.cells[2].metadata["tags"], "the run's parameters stay visible"
+    assert render.check_rendered(out_dir, source.parent) == []
+
+
+def test_wide_figures_are_scaled_and_long_outputs_cut(tmp_path):
+    source = _lesson(tmp_path)
+    long = "".join(f"line {i}\n" for i in range(render.MAX_STREAM_LINES + 50))
+    r = render.render_notebook(_executed(source, tmp_path, png_width=3000, stream=long), source,
+                               tmp_path / "rendered" / source.name, META)
+    nb = nbformat.read(r.target, as_version=4)
+    png = next(o.data["image/png"] for o in nb.cells[3].outputs if "data" in o and "image/png" in o.data)
+    width = render.MAX_IMAGE_WIDTH
+    assert Image.open(io.BytesIO(base64.b64decode(png))).size == (width, round(200 * width / 3000))
+    stream = next(o.text for o in nb.cells[3].outputs if o.output_type == "stream")
+    assert r.lines_cut == 50 and "[50 lines left out of the rendered copy" in stream
+    assert stream.startswith("line 0\n") and stream.endswith(f"line {render.MAX_STREAM_LINES + 49}\n")
+
+
+def test_stale_copies_are_named(tmp_path):
+    source = _lesson(tmp_path)
+    out_dir = tmp_path / "rendered"
+    render.render_notebook(_executed(source, tmp_path), source, out_dir / source.name, META)
+    nb = nbformat.read(source, as_version=4)
+    nb.cells[2].source = "plot(bigger=True)"
+    nbformat.write(nb, source)
+    problems = render.check_rendered(out_dir, source.parent)
+    assert len(problems) == 1 and "cell 2 (code, lesson's starts 'plot(bigger=True)') differs" in problems[0]
+    nb.cells[0].source += "\nmore prose"
+    nb.cells.append(nbformat.v4.new_markdown_cell("summary"))
+    nbformat.write(nb, source)
+    problems = render.check_rendered(out_dir, source.parent)
+    assert any("cell 0 (markdown" in p for p in problems) and any("the copy has 4 cells, the lesson 5" in p
+                                                                      for p in problems)
+    (source.parent / source.name).unlink()
+    assert "no lesson" in render.check_rendered(out_dir, source.parent)[0]
+    assert render._main(["--check", "--out", str(out_dir)]) == 1
+
+
+def test_only_passing_current_small_runs_are_rendered(tmp_path, monkeypatch):
+    source = _lesson(tmp_path)
+    target = tmp_path / "rendered" / source.name
+    with pytest.raises(render.RenderError, match="not a passing run"):
+        render.render_notebook(_executed(source, tmp_path, passed=False), source, target, META)
+    executed = _executed(source, tmp_path)
+    nb = nbformat.read(source, as_version=4)
+    nb.cells[2].source = "plot(2)"
+    nbformat.write(nb, source)
+    with pytest.raises(render.RenderError, match="executed from another version"):
+        render.render_notebook(executed, source, target, META)
+    with pytest.raises(render.RenderError, match="device='cpu'; .* holds device='cuda' runs only"):
+        render.render_notebook(_executed(source, tmp_path), source, target, META, require_device="cuda")
+    source = _lesson(tmp_path, "01_other.ipynb")
+    monkeypatch.setattr(render, "MAX_BYTES", 2_000)
+    with pytest.raises(render.RenderError, match="01_other.ipynb is .* over the 2,000 cap"):
+        render.render_notebook(_executed(source, tmp_path), source, target, META)
+    assert not target.exists()
+
+
+def test_readme_links_follow_the_rendered_copies():
+    table = ("intro [00](notebooks/00_a.ipynb)\n"
+             "| lesson | what |\n|---|---|\n"
+             "| [00 a](notebooks/00_a.ipynb) | x |\n"
+             "| [01 b](notebooks/01_b.ipynb) · [rendered](docs/rendered/01_b.ipynb) | y |\n"
+             "| 10 planned | z |")
+    linked = render.readme_with_links(table, ["00_a.ipynb"])
+    assert linked.splitlines()[3] == "| [00 a](notebooks/00_a.ipynb) · [rendered](docs/rendered/00_a.ipynb) | x |"
+    assert linked.splitlines()[4] == "| [01 b](notebooks/01_b.ipynb) | y |"
+    assert linked.splitlines()[0] == "intro [00](notebooks/00_a.ipynb)" and linked.endswith("| 10 planned | z |")
+    assert render.readme_with_links(linked, ["00_a.ipynb"]) == linked
+
+
+def test_the_command_executes_and_renders_a_lesson(tmp_path):
+    """End to end through papermill on a tiny lesson: a real run, a real matplotlib PNG, a current copy."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    params = nbformat.v4.new_code_cell('device = "auto"\nworld_size = 2\nquick = True')
+    params.metadata["tags"] = ["parameters"]
+    check = nbformat.v4.new_code_cell("from tutorial_lib.harness.checks import check\ncheck(quick, 'quick run')")
+    check.metadata["tags"] = ["self-check"]
+    nb.cells = [nbformat.v4.new_markdown_cell("# t\nWhat you will learn: x"), params,
+                nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"), check]
+    lessons = tmp_path / "notebooks"
+    lessons.mkdir()
+    nbformat.write(nb, lessons / "00_tiny.ipynb")
+    out = tmp_path / "rendered"
+    assert render._main([str(lessons / "00_tiny.ipynb"), "--device", "cpu", "--out", str(out)]) == 0
+    copy = nbformat.read(out / "00_tiny.ipynb", as_version=4)
+    assert copy.metadata[render.METADATA_KEY]["parameters"] == {"device": "cpu", "world_size": 2, "quick": True}
+    assert any("image/png" in o.get("data", {}) for o in copy.cells[3].outputs)
+    assert render.check_rendered(out, lessons) == []

@@ -1,0 +1,39 @@
+"""Lesson 11's module (tutorial_lib.lessons.benchmarks): recorded results read back exactly, the FSDP2
+step profile and the collective timing on 2 CPU ranks. The amax-reduction rank function is tested in
+tests/optim/test_amax_reduce.py; the live benchmarks run in the lesson itself."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tutorial_lib.dist.launcher import launch, run_sequence
+from tutorial_lib.harness.notebooks import REPO_ROOT
+from tutorial_lib.lessons.benchmarks import collective_cost, fsdp2_step_profile, recorded_cases
+
+RESULTS = REPO_ROOT / "benchmarks" / "results"
+
+
+def test_recorded_cases_are_every_case_of_every_file():
+    rows = recorded_cases(RESULTS)
+    files = sorted(RESULTS.glob("*.json"))
+    assert len(rows) == sum(len(json.loads(p.read_text())["cases"]) for p in files)
+    assert [r.date for r in rows] == sorted(r.date for r in rows)
+    for r in rows:
+        for name, frac in r.peer_fractions.items():  # same bytes: fractions scale inversely with time
+            assert frac == pytest.approx(r.fraction_of_copy * r.ours_ms / r.peers_ms[name])
+        if r.ours_range_ms:
+            assert r.ours_range_ms[0] <= r.ours_ms <= r.ours_range_ms[1]
+
+
+@pytest.mark.distributed
+def test_step_profile_and_collective_cost_on_two_ranks():
+    calls = [(fsdp2_step_profile, {}), (collective_cost, {"sizes": (4, 4096), "reps": 3})]
+    per_rank = launch(run_sequence, world_size=2, device="cpu", args=(calls,), timeout=300)
+    for prof, cost in per_rank:
+        assert set(prof.phases_ms) == {"forward", "backward", "optimizer"}
+        assert prof.collectives["all_gather"] > 0 and prof.collectives["reduce_scatter"] > 0
+        assert prof.step_ms > 0 and len(prof.top_ops) == 8
+        assert cost.world_size == 2 and cost.bytes == [4, 4096] and all(ms > 0 for ms in cost.ms)
+    assert per_rank[0][1].ms == per_rank[1][1].ms  # the max over ranks: one number for everyone

@@ -1,0 +1,159 @@
+"""FusedAdam(capturable=True): device-side step counters, lr and weight decay, bit for bit the host path.
+
+On the CPU the device-side scalars run in Triton's interpreter (the math is what is tested here);
+the CUDA-graph capture and replay need a GPU and skip on a CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tutorial_kernels.adam_capturable import bias_correction_table, launch_step_scalars
+
+from tutorial_lib.optim.adamw_reference import adam_step_scalars
+from tutorial_lib.optim.fused_adam import FusedAdam
+from tutorial_lib.quant.mxfp8 import MXFP8Quantizer
+from tutorial_lib.quant.tensor import is_quantized
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+HP = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.view(torch.int32) if x.dtype == torch.float32 else x.view(torch.int16) if x.itemsize == 2 else x
+
+
+def _params(seed: int) -> list[torch.nn.Parameter]:
+    """fp32, bf16 (master route) and MXFP8 (fused requantize) parameters: three buckets."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(64, generator=g).to(DEV)),
+            torch.nn.Parameter(torch.randn(48, generator=g).to(DEV)),
+            torch.nn.Parameter(torch.randn(3, 32, generator=g).bfloat16().to(DEV)),
+            torch.nn.Parameter(MXFP8Quantizer().quantize(torch.randn(4, 64, generator=g).to(DEV)))]
+
+
+def _assert_same(a: FusedAdam, b: FusedAdam, pa: list, pb: list) -> None:
+    for i, (x, y) in enumerate(zip(pa, pb)):
+        for key, value in a.state[x].items():
+            assert torch.equal(_bits(value), _bits(b.state[y][key].to(value.device))), f"param {i} state {key}"
+        if is_quantized(x):
+            for name, buf in x.raw_buffers().items():
+                assert torch.equal(buf, y.raw_buffers()[name]), f"param {i} {name}"
+        else:
+            assert torch.equal(_bits(x.detach()), _bits(y.detach())), f"param {i}"
+
+
+def test_bias_correction_table_is_the_host_scalars():
+    """Every tabulated correction is the host's Python expression; the table ends where both are 1.0."""
+    table = bias_correction_table(0.9, 0.999, "cpu")
+    assert table.dtype == torch.float64 and table[:, -1].tolist() == [1.0, 1.0]
+    assert not (table[0, -2] == 1.0 and table[1, -2] == 1.0), "the table runs past the first step where both are 1"
+    for s in (1, 2, 3, 10, 355, 1000, 20_000, table.shape[1]):
+        lr = 3e-4
+        step_size, bc2_sqrt = adam_step_scalars(float(s), lr, 0.9, 0.999)
+        assert lr / table[0, s - 1].item() == step_size and table[1, s - 1].item() == bc2_sqrt
+    with pytest.raises(ValueError, match="betas"):
+        bias_correction_table(0.9, 1.0, "cpu")
+
+
+def test_device_step_scalars_equal_the_host_scalars_bit_for_bit():
+    """The kernel's fp32 scalars for steps 1..3000 (every other step active) and a fresh lr:
+    equal to the host's Python floats rounded to fp32, decay included."""
+    n, lr, wd = 3000, 7.3e-4, 0.05
+    table = bias_correction_table(0.9, 0.999, DEV)
+    steps = torch.arange(n, dtype=torch.float32, device=DEV)  # before the step
+    active = (torch.arange(n, device=DEV) % 2 == 0).float()
+    group = torch.tensor([lr, wd], dtype=torch.float64, device=DEV)
+    hyper = torch.empty(3, n, device=DEV)
+    launch_step_scalars(steps, active, group, table, hyper)
+    after = torch.arange(n, dtype=torch.float32) + active.cpu()
+    assert torch.equal(steps.cpu(), after)
+    want = torch.tensor([adam_step_scalars(max(float(s), 1.0), lr, 0.9, 0.999) for s in after.tolist()],
+                        dtype=torch.float64).t()
+    assert torch.equal(hyper[:2].cpu(), want.to(torch.float32))
+    assert torch.equal(hyper[2].cpu(), torch.full((n,), 1.0 - lr * wd, dtype=torch.float64).to(torch.float32))
+
+
+def test_capturable_steps_equal_the_host_path_bit_for_bit():
+    """Six steps, lr changed every step, a parameter skipped once (non-uniform step counts):
+    parameters, FP8 bytes, masters, moments and step counts equal the default path's bits."""
+    pa, pb = _params(1), _params(1)
+    a = FusedAdam(pa, **HP, master_weights=True)
+    b = FusedAdam(pb, **HP, master_weights=True, capturable=True)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(6):
+        grads = [torch.randn(p.shape, generator=gen).to(DEV, p.dtype) for p in pa]
+        for params in (pa, pb):
+            for i, (p, g) in enumerate(zip(params, grads)):
+                p.grad = None if (step == 2 and i == 0) else g.clone()
+        for opt in (a, b):
+            opt.param_groups[0]["lr"] = 1e-2 * 0.7**step
+            opt.step()
+    assert b.state[pb[0]]["step"].item() == 5.0 and b.state[pb[1]]["step"].item() == 6.0
+    assert b.state[pb[0]]["step"].device.type == torch.device(DEV).type  # the counters live on the device
+    _assert_same(a, b, pa, pb)
+
+
+def test_capturable_takes_a_tensor_lr_and_round_trips_its_state():
+    """A tensor lr (what a device-side scheduler writes) gives the float lr's results; the state
+    dict round trip keeps training bit for bit."""
+    pa, pb = _params(3), _params(3)
+    a = FusedAdam(pa, **HP, master_weights=True)
+    b = FusedAdam(pb, **{**HP, "lr": torch.tensor(HP["lr"], dtype=torch.float64, device=DEV)},
+                  master_weights=True, capturable=True)
+    gen = torch.Generator().manual_seed(4)
+    for step in range(3):
+        grads = [torch.randn(p.shape, generator=gen).to(DEV, p.dtype) for p in pa]
+        for params in (pa, pb):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+        a.step()
+        b.step()
+        if step == 1:
+            b.load_state_dict(b.state_dict())
+    _assert_same(a, b, pa, pb)
+
+
+def test_capture_refuses_what_it_cannot_record():
+    p = _params(5)
+    with pytest.raises(ValueError, match="capturable=True"):
+        FusedAdam(p, **HP, master_weights=True).capture()
+    opt = FusedAdam(p, **HP, master_weights=True, capturable=True)
+    with pytest.raises(RuntimeError, match="step\\(\\) once before capture"):
+        opt.capture()
+    if DEV == "cpu":
+        for q in p:
+            q.grad = torch.ones(q.shape, dtype=q.dtype)
+        opt.step()
+        with pytest.raises(ValueError, match="CUDA graphs need CUDA parameters"):
+            opt.capture()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (the device-side math is "
+                                                          "tested on the CPU above, in Triton's interpreter)")
+def test_captured_replays_equal_eager_steps_bit_for_bit():
+    """Capture once, replay 5 steps with new grad VALUES (same tensors) and a new lr each step:
+    bit for bit the default (host-path, eager) FusedAdam; a moved grad is refused."""
+    pa, pb = _params(6), _params(6)
+    a = FusedAdam(pa, **HP, master_weights=True)
+    b = FusedAdam(pb, **HP, master_weights=True, capturable=True)
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    for p, q in zip(pa, pb):
+        p.grad = torch.zeros(p.shape, dtype=p.dtype, device=DEV)
+        q.grad = torch.zeros(p.shape, dtype=p.dtype, device=DEV)
+    for step in range(6):
+        for p, q in zip(pa, pb):
+            g = torch.randn(p.grad.shape, generator=gen, device=DEV).to(p.grad.dtype)
+            p.grad.copy_(g)
+            q.grad.copy_(g)  # same tensor, new values: what a captured step reads
+        for opt in (a, b):
+            opt.param_groups[0]["lr"] = 1e-2 * 0.8**step
+        a.step()
+        b.step()
+        if step == 0:
+            b.capture()  # later b.step() calls replay the graph
+    torch.cuda.synchronize()
+    _assert_same(a, b, pa, pb)
+    pb[0].grad = pb[0].grad.clone()
+    with pytest.raises(RuntimeError, match="moved since capture"):
+        b.step()

@@ -1,0 +1,119 @@
+"""The pieces of tutorial_lib.train without launching ranks: data order, the model, the schedule, checkpoint
+discovery, metrics, configuration errors. (Runs of the loop itself: test_train_cli.py and lesson 10.)"""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tutorial_lib.train.checkpoints import checkpoint_path, latest_checkpoint, resolve_resume
+from tutorial_lib.train.data import VOCAB_SIZE, TextData, corpus_bytes, unigram_entropy
+from tutorial_lib.train.loop import TrainConfig, describe_matmul, learning_rate
+from tutorial_lib.train.metrics import MetricsLog, read_metrics
+from tutorial_lib.train.transformer import (
+    FORMATS,
+    Transformer,
+    TransformerConfig,
+    matmul_for_format,
+    quantized_select,
+)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return TextData.load(seq_len=64)
+
+
+def test_corpus_is_the_python_docs_and_the_split_is_fixed(data):
+    raw = corpus_bytes()
+    assert raw.numel() > 300_000 and b"with" in bytes(raw[:200_000].tolist())
+    cut = int(raw.numel() * 0.9)
+    assert torch.equal(data.train_tokens, raw[:cut]) and torch.equal(data.val_tokens, raw[cut:])
+    assert torch.equal(data.train[1], raw[65:130]) and data.val.shape[1] == 65
+    assert 2.0 < unigram_entropy(data.val_tokens) < math.log(VOCAB_SIZE)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_per_rank_order_is_disjoint_and_covers_an_epoch(data, world_size):
+    b = 16
+    steps = data.train.shape[0] // (world_size * b)  # one epoch of whole steps
+    seen = [i for s in range(steps) for r in range(world_size) for i in data.train_indices(s, r, world_size, b, seed=3)]
+    assert len(seen) == len(set(seen)) == steps * world_size * b  # no window twice within the epoch
+    assert data.train_indices(5, 0, world_size, b, seed=3) == TextData.load(64).train_indices(5, 0, world_size, b, 3)
+    assert data.train_indices(5, 0, world_size, b, seed=3) != data.train_indices(5, 0, world_size, b, seed=4)
+    x, y = data.train_batch(2, world_size - 1, world_size, b, seed=3)
+    assert x.shape == y.shape == (b, 64) and x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_val_windows_are_disjoint_and_equal_in_count(data):
+    parts = [data.val_windows(r, 3, max_windows=64)[0] for r in range(3)]
+    assert [p.shape[0] for p in parts] == [21, 21, 21]  # 64 rounded down to a multiple of 3
+    assert torch.equal(torch.stack(parts, 1).reshape(63, 64), data.val[:63, :-1].long())
+    with pytest.raises(ValueError, match="rank 2 outside world size 2"):
+        data.train_batch(0, 2, 2, 4)
+
+
+def test_model_shapes_init_and_parameter_count():
+    cfg = TransformerConfig.preset("tiny")
+    a, b = Transformer(cfg, seed=1), Transformer(cfg, seed=1)
+    assert sum(p.numel() for p in a.parameters()) == cfg.n_params()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))  # counter-based: reproducible
+    assert not torch.equal(a.blocks[0].q.weight, Transformer(cfg, seed=2).blocks[0].q.weight)
+    tokens = torch.randint(0, VOCAB_SIZE, (2, cfg.seq_len))
+    logits = a(tokens)
+    assert logits.shape == (2, cfg.seq_len, VOCAB_SIZE)
+    # causal: changing the last token changes no earlier position's logits
+    t2 = tokens.clone()
+    t2[:, -1] = (t2[:, -1] + 1) % VOCAB_SIZE
+    assert torch.equal(a(t2)[:, :-1], logits[:, :-1])
+    assert abs(F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), tokens.reshape(-1)).item() - math.log(256)) < 1.5
+    with pytest.raises(ValueError, match="longer than the model's seq_len"):
+        a(torch.zeros(1, cfg.seq_len + 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="unknown model size 'huge'"):
+        TransformerConfig.preset("huge")
+    picked = [n for n, m in a.named_modules() if hasattr(m, "weight") and quantized_select(m, "weight", f"{n}.weight")]
+    assert len(picked) == 6 * cfg.n_layers and "head" not in picked
+
+
+def test_formats_and_matmuls():
+    assert FORMATS[0] == "bf16" and {"fp8", "fp8_delayed", "mxfp8", "fp8_128x128", "nvfp4_1x16"} <= set(FORMATS)
+    assert [matmul_for_format(f) for f in ("bf16", "fp8", "fp8_delayed", "fp8_128x128", "mxfp8", "nvfp4_1x16")] == \
+        [None, "hybrid", "hybrid", "blockwise", None, None]
+    assert "dequantize-on-use" in describe_matmul("mxfp8", torch.device("cpu"))
+    assert "FP8 tensor cores" in describe_matmul("fp8", torch.device("cuda"))
+    with pytest.raises(ValueError, match="unknown format 'fp9'"):
+        TrainConfig(fmt="fp9")
+    with pytest.raises(ValueError, match="checkpoints need a run directory"):
+        TrainConfig(ckpt_every=5)
+
+
+def test_learning_rate_schedule():
+    cfg = TrainConfig(lr=1e-2, warmup=4, steps=20)
+    lrs = [learning_rate(cfg, s) for s in range(20)]
+    assert lrs[:4] == [2.5e-3, 5e-3, 7.5e-3, 1e-2] and lrs[4] == pytest.approx(1e-2)
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:])) and lrs[-1] > 1e-3
+
+
+def test_checkpoint_discovery_skips_incomplete_saves(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        resolve_resume("latest", tmp_path)
+    for step, complete in ((10, True), (20, True), (30, False)):  # step 30: killed during the save
+        os.makedirs(checkpoint_path(tmp_path, step))
+        if complete:
+            open(os.path.join(checkpoint_path(tmp_path, step), ".metadata"), "w").close()
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 20)
+    assert resolve_resume(None, tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="not a complete DCP checkpoint"):
+        resolve_resume(checkpoint_path(tmp_path, 30), tmp_path)
+
+
+def test_metrics_log(tmp_path):
+    log = MetricsLog(tmp_path / "m.jsonl")
+    log.write("eval", step=5, val_loss=2.5)
+    MetricsLog(tmp_path / "m.jsonl", enabled=False).write("eval", step=6, val_loss=1.0)
+    log.write("train", step=6, loss=2.0)
+    assert read_metrics(tmp_path / "m.jsonl", "eval") == [{"event": "eval", "step": 5, "val_loss": 2.5}]
+    assert len(read_metrics(tmp_path / "m.jsonl")) == 2

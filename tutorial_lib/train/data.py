@@ -1,0 +1,133 @@
+"""Real text that needs no download: the CPython documentation topics, as byte-level tokens.
+
+Every Python installation ships ``pydoc_data.topics`` (the text ``help("with")`` prints): about
+80 topics, ~0.47 MB of English prose and code. We use it as a language-modelling corpus::
+
+    topics (sorted by name) --"\\n\\n".join--> UTF-8 bytes --> tokens 0..255 (vocab = 256, no tokenizer)
+    |<----------------- first 90 %: train ----------------->|<--- last 10 %: validation --->|
+
+**Fixed split.** The split is a byte offset, not a random draw: the same text is validation on
+every machine and in every run. **Windows.** Each split is cut into non-overlapping windows of
+``seq_len + 1`` tokens (input = the first ``seq_len``, target = the last ``seq_len``).
+
+**Per-rank order: deterministic and disjoint.** Training windows are visited in epochs, each a
+permutation drawn from ``torch.Generator().manual_seed(seed * 1_000_003 + epoch)``. Global step ``s``
+takes the next ``world_size * batch_size`` windows of that stream; rank ``r`` takes the ``r``-th
+``batch_size`` of them::
+
+    stream  = perm(epoch 0) ++ perm(epoch 1) ++ ...
+    step s  : stream[s*W*B : (s+1)*W*B]       W = world size, B = batch size per rank
+    rank r  : stream[s*W*B + r*B : s*W*B + (r+1)*B]
+
+So a batch is a pure function of ``(seed, step, rank, world_size)``: a resumed run reads exactly
+the batches the uninterrupted run would have read (nothing about the data order is checkpointed
+but the step number), and no two ranks ever read the same window in the same step.
+
+Example::
+
+    from tutorial_lib.train.data import TextData
+    data = TextData.load(seq_len=64)
+    x, y = data.train_batch(step=0, rank=0, world_size=2, batch_size=8, seed=0)   # [8, 64] int64 each
+    xs = data.val_windows(rank=0, world_size=2, max_windows=64)                     # this rank's val slice
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pydoc_data.topics import topics
+
+import torch
+
+__all__ = ["VOCAB_SIZE", "TextData", "corpus_bytes", "unigram_entropy"]
+
+VOCAB_SIZE = 256
+"""Byte-level tokens: every UTF-8 byte is a token."""
+
+
+def corpus_bytes() -> torch.Tensor:
+    """The corpus as a uint8 tensor: the ``pydoc_data`` topics sorted by name, joined by blank lines."""
+    text = "\n\n".join(topics[name] for name in sorted(topics))
+    return torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8).clone()
+
+
+def unigram_entropy(tokens: torch.Tensor) -> float:
+    """Entropy (nats/token) of the byte frequencies of ``tokens``: the cross-entropy of the best model that
+    ignores context (a fixed distribution over the 256 bytes). A language model must do better than this."""
+    counts = torch.bincount(tokens.long().flatten(), minlength=VOCAB_SIZE).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+def _windows(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    n = tokens.numel() // (seq_len + 1)
+    return tokens[: n * (seq_len + 1)].view(n, seq_len + 1)
+
+
+@dataclasses.dataclass
+class TextData:
+    """The split corpus cut into windows of ``seq_len + 1`` byte tokens (uint8 tensors on the CPU)."""
+
+    seq_len: int  # tokens per training sequence (each window holds seq_len + 1: inputs and shifted targets)
+    train: torch.Tensor  # [n_train, seq_len + 1] training windows
+    val: torch.Tensor  # [n_val, seq_len + 1] validation windows
+    train_tokens: torch.Tensor  # the whole training split (for unigram_entropy)
+    val_tokens: torch.Tensor  # the whole validation split
+
+    @classmethod
+    def load(cls, seq_len: int = 64, val_fraction: float = 0.1) -> TextData:
+        """Load, split at ``1 - val_fraction`` of the bytes, and cut both splits into windows."""
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+        tokens = corpus_bytes()
+        cut = int(tokens.numel() * (1.0 - val_fraction))
+        train, val = tokens[:cut], tokens[cut:]
+        data = cls(seq_len, _windows(train, seq_len), _windows(val, seq_len), train, val)
+        if data.val.shape[0] == 0:
+            raise ValueError(f"seq_len {seq_len} is longer than the validation split ({val.numel()} tokens)")
+        return data
+
+    def train_batch(self, step: int, rank: int, world_size: int, batch_size: int, seed: int = 0,
+                    device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)`` of ``rank`` at global ``step``: int64 ``[batch_size, seq_len]`` each."""
+        w = self.train[torch.tensor(self.train_indices(step, rank, world_size, batch_size, seed))].long()
+        return w[:, :-1].to(device), w[:, 1:].to(device)
+
+    def train_indices(self, step: int, rank: int, world_size: int, batch_size: int, seed: int = 0) -> list[int]:
+        """Indices (rows of ``self.train``) of the windows ``rank`` reads at global ``step``."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        n = self.train.shape[0]
+        per_step = world_size * batch_size
+        if per_step > n:
+            raise ValueError(f"{world_size} ranks x {batch_size} sequences = {per_step} windows per step, but the "
+                             f"training split has only {n} windows of {self.seq_len + 1} tokens")
+        first = step * per_step + rank * batch_size
+        return [self._stream(first + i, seed) for i in range(batch_size)]
+
+    def _stream(self, position: int, seed: int) -> int:
+        """Window index at ``position`` of the epoch-by-epoch permutation stream."""
+        n = self.train.shape[0]
+        epoch, within = divmod(position, n)
+        cache = self.__dict__.setdefault("_perm_cache", {})
+        key = (seed, epoch)
+        if key not in cache:
+            if len(cache) > 4:
+                cache.clear()
+            cache[key] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        return int(cache[key][within])
+
+    def val_windows(self, rank: int, world_size: int, max_windows: int | None = None,
+                    device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of the first ``max_windows`` validation windows (all if None): ``(inputs, targets)``.
+
+        Windows ``rank, rank + W, rank + 2W, ...`` of the first ``n`` (``n`` rounded down to a multiple of the
+        world size ``W``): disjoint across ranks, the same count on every rank, together all ``n``."""
+        n = self.val.shape[0] if max_windows is None else min(max_windows, self.val.shape[0])
+        n -= n % world_size  # every rank the same count: FSDP2's forward all-gathers are collectives
+        if n == 0:
+            raise ValueError(f"{world_size} ranks need at least {world_size} validation windows, got "
+                             f"{self.val.shape[0]} (max_windows={max_windows})")
+        w = self.val[rank:n:world_size].long()
+        return w[:, :-1].to(device), w[:, 1:].to(device)

@@ -1,0 +1,299 @@
+"""The training loop: a byte-level transformer trained under FSDP2 in any weight format, resumable exactly.
+
+What :func:`train` does on every rank, in order (the lesson each step comes from)::
+
+    1  mesh over the world; the device: cuda:<LOCAL_RANK> or cpu                    (00, 05)
+    2  Transformer built on the meta device (no memory)                            (06)
+    3  quantized formats: block linear weights -> META quantized tensors;           (06)
+       fully_shard per block, then the root, MixedPrecisionPolicy(bf16 compute, fp32 reduce)
+    4  each rank initialises / quantizes only its shard (counter-based init)      (05, 06)
+    5  FusedAdam, fp32 master weights seeded from the exact init values           (07)
+    6  matmuls: FP8 GEMMs on the all-gathered FP8 bytes where the format has one,  (08)
+       else the weight is dequantized to bf16 on use (the run says which)
+    7  resume: load the latest (or a given) DCP checkpoint, continue at its step   (09)
+    8  per step: the step's batch (a pure function of step and rank), forward, loss, backward
+       (micro-batches: FSDP2's gradient sync only on the last), FusedAdam step
+    9  every ckpt_every steps a DCP checkpoint; every eval_every steps the validation loss;
+       every log_every steps loss, tokens/s and peak memory per rank -> metrics.jsonl; tqdm on rank 0
+
+All parameters are fp32 shards; compute is bf16 (``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+reduce_dtype=torch.float32)``), quantized weights are gathered in their format and used as bf16
+(dequantize-on-use) or as FP8 codes (FP8 GEMMs). ``fmt="bf16"`` is the reference: no quantized
+weights, every GEMM in bf16.
+
+Gradient accumulation (``micro_batches > 1``) uses FSDP2's supported path: the model's
+``set_requires_gradient_sync(False)`` for every micro-batch but the last, so FSDP2 keeps the
+unsharded gradients (accumulated in the fp32 ``reduce_dtype``) and reduce-scatters once. Do NOT
+accumulate into a ``param.main_grad`` buffer with FSDP2 (lesson 10 shows why).
+
+Inside a rank started by :func:`tutorial_lib.dist.launcher.launch` (lessons, tests) or by
+``torchrun`` (``python -m tutorial_lib.train``; the process group is initialised first)::
+
+    from tutorial_lib.train.loop import TrainConfig, train_model
+    result = train_model(TrainConfig(fmt="fp8", steps=200, size="tiny", out="runs/fp8", ckpt_every=50))
+    result.final_val_loss, result.tokens_per_s, result.peak_memory_bytes, result.matmul
+    train_model(TrainConfig(fmt="fp8", steps=300, size="tiny", out="runs/fp8", resume="latest"))   # continues at 200
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from tqdm.auto import tqdm
+
+from tutorial_lib.dist.quantized_init import build_sharded_plain, build_sharded_quantized
+from tutorial_lib.dist.runtime import deterministic_cuda, resolve_device
+from tutorial_lib.optim.fused_adam import FusedAdam
+from tutorial_lib.quant.registry import get_format_info, recipe
+from tutorial_lib.train.checkpoints import load_training_checkpoint, resolve_resume, save_training_checkpoint
+from tutorial_lib.train.data import VOCAB_SIZE, TextData
+from tutorial_lib.train.metrics import MetricsLog, memory_kind, peak_memory_bytes, state_digest
+from tutorial_lib.train.transformer import FORMATS, Transformer, TransformerConfig, matmul_for_format, quantized_select
+
+__all__ = ["SimulatedCrash", "TrainConfig", "TrainResult", "build_model_and_optimizer", "describe_matmul", "evaluate",
+           "learning_rate", "train_mesh", "train_model"]
+
+
+class SimulatedCrash(RuntimeError):
+    """Raised by :func:`train` after step ``crash_after`` (lessons and tests: a job that dies mid-run)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run. Sizes come from ``size`` (:data:`~tutorial_lib.train.transformer.SIZES`)."""
+
+    fmt: str = "bf16"  # weight format: "bf16" or a registry name ("fp8", "fp8_delayed", "mxfp8", ...)
+    steps: int = 100  # total optimizer steps (a resumed run continues up to this number)
+    size: str = "tiny"  # model size preset
+    seq_len: int | None = None  # tokens per sequence (None: the size's seq_len)
+    batch_size: int = 8  # sequences per rank per micro-batch
+    micro_batches: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    lr: float = 2e-3  # peak learning rate (linear warmup, then cosine decay to lr / 10)
+    warmup: int = 10  # warmup steps
+    weight_decay: float = 0.01  # AdamW decoupled weight decay
+    seed: int = 0  # model init seed
+    data_seed: int = 0  # data order seed
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+    out: str | None = None  # run directory: metrics.jsonl and checkpoints/ (None: neither)
+    ckpt_every: int = 0  # DCP checkpoint every N steps (0: never)
+    resume: str | None = None  # None, "latest" (under out) or a checkpoint directory
+    eval_every: int = 50  # validation loss every N steps (and after the last step)
+    eval_windows: int = 64  # validation windows used (split over the ranks)
+    log_every: int = 10  # metrics record every N steps
+    progress: bool = True  # tqdm progress bar on rank 0
+    crash_after: int | None = None  # raise SimulatedCrash after this step (0-based count of steps done)
+    deterministic: bool = True  # CUDA: deterministic cuBLAS / torch kernels (bit-exact resume)
+
+    def __post_init__(self):
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown format {self.fmt!r}; known formats: {list(FORMATS)}")
+        for name in ("steps", "batch_size", "micro_batches", "eval_every", "log_every", "eval_windows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ckpt_every < 0 or self.warmup < 0:
+            raise ValueError("ckpt_every and warmup must be >= 0")
+        if (self.ckpt_every or self.resume) and self.out is None:
+            raise ValueError("checkpoints need a run directory: set out")
+        TransformerConfig.preset(self.size)  # a clear error for an unknown size
+
+    def model_config(self) -> TransformerConfig:
+        return TransformerConfig.preset(self.size, **({} if self.seq_len is None else {"seq_len": self.seq_len}))
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What one rank's :func:`train` returns (every field is the same on every rank unless it says per rank)."""
+
+    fmt: str  # weight format
+    matmul: str  # how the linear layers multiply (FP8 GEMMs, dequantize-on-use, bf16 GEMMs)
+    world_size: int  # ranks
+    n_params: int  # model parameters
+    start_step: int  # 0, or the step the run resumed at
+    steps: int  # steps done at the end (== config.steps)
+    losses: list[float]  # training loss of every step run here (mean over ranks), start_step .. steps - 1
+    val_losses: dict[int, float]  # validation loss by step count
+    final_val_loss: float  # validation loss after the last step
+    tokens_per_s: float  # training tokens per second, all ranks together (median over log intervals)
+    step_ms: float  # milliseconds per optimizer step (median over log intervals)
+    peak_memory_bytes: list[int]  # per rank: peak memory (memory_kind says which measure)
+    memory_kind: str  # "cuda max_memory_allocated" or "cpu peak RSS of the process"
+    checkpoints: list[str]  # checkpoint directories written by this run
+    digests: list[str]  # per rank: SHA-256 of its final model shards and optimizer state
+
+
+def learning_rate(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup over ``cfg.warmup`` steps, then cosine decay to ``cfg.lr / 10`` at ``cfg.steps``."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac))))
+
+
+def describe_matmul(fmt: str, device: torch.device) -> str:
+    """One line saying how a format's linear layers multiply on ``device``."""
+    if fmt == "bf16":
+        return "bf16 GEMMs (reference)"
+    kind = matmul_for_format(fmt)
+    label = get_format_info(fmt).label
+    if kind is None:
+        return f"dequantize-on-use: {label} weights decoded to bf16, then bf16 GEMMs (no FP8 GEMM for this format)"
+    where = "FP8 tensor cores" if device.type == "cuda" else "emulated on CPU: FP8 codes decoded, fp32 GEMM"
+    return f"FP8 GEMMs ({kind} recipe) on the all-gathered {label} bytes ({where})"
+
+
+def train_mesh(cfg: TrainConfig):
+    """``(mesh, device)`` of the calling rank: a 1-D mesh over the world; ``cuda:<LOCAL_RANK>`` or the CPU."""
+    if not dist.is_initialized():
+        raise RuntimeError("train_model() runs inside an initialised process group: start it with "
+                           "tutorial_lib.dist.launcher.launch, torchrun, or python -m tutorial_lib.train")
+    dev = resolve_device(cfg.device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+        if cfg.deterministic:
+            deterministic_cuda()
+    return init_device_mesh(dev.type, (dist.get_world_size(),)), dev
+
+
+def build_model_and_optimizer(cfg: TrainConfig, mesh, dev):
+    """Steps 2-5: the FSDP2-sharded Transformer in ``cfg.fmt`` (meta init, quantized init) and its FusedAdam."""
+    model_cfg = cfg.model_config()
+    build = lambda: Transformer(model_cfg, seed=cfg.seed, linear=matmul_for_format(cfg.fmt))  # noqa: E731
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if cfg.fmt == "bf16":
+        model = build_sharded_plain(build, mesh, dev, mp_policy=mp)
+    else:
+        model = build_sharded_quantized(build, mesh, recipe(cfg.fmt), dev, preserve_high_precision=True,
+                                        mp_policy=mp, select=quantized_select)
+    opt = FusedAdam(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                    master_weights=True)
+    return model, opt, model_cfg
+
+
+def _loss(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).float().reshape(-1, VOCAB_SIZE), y.reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model, data: TextData, cfg: TrainConfig, dev) -> float:
+    """Mean validation loss per token over ``cfg.eval_windows`` windows, split over the ranks."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    xs, ys = data.val_windows(rank, ws, cfg.eval_windows, device=dev)
+    total = torch.zeros(2, dtype=torch.float64, device=dev)
+    for i in range(0, xs.shape[0], cfg.batch_size):
+        x, y = xs[i : i + cfg.batch_size], ys[i : i + cfg.batch_size]
+        total[0] += F.cross_entropy(model(x).float().reshape(-1, VOCAB_SIZE), y.reshape(-1), reduction="sum")
+        total[1] += y.numel()
+    dist.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def train_model(cfg: TrainConfig) -> TrainResult:
+    """Run (or resume) one training run on every rank of the current process group; see the module docstring."""
+    mesh, dev = train_mesh(cfg)
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    resume_path = resolve_resume(cfg.resume, cfg.out)  # every rank, before any collective
+    data = TextData.load(cfg.model_config().seq_len)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    model, opt, model_cfg = build_model_and_optimizer(cfg, mesh, dev)
+    matmul = describe_matmul(cfg.fmt, dev)
+    log = MetricsLog(None if cfg.out is None else os.path.join(cfg.out, "metrics.jsonl"), enabled=rank == 0)
+    start = load_training_checkpoint(model, opt, resume_path) if resume_path else 0
+    if start > cfg.steps:
+        raise ValueError(f"checkpoint {resume_path} is at step {start}, past steps={cfg.steps}")
+    if rank == 0:
+        print(f"[train] {cfg.fmt}: {matmul}; {ws} rank(s) on {dev.type}; {model_cfg.n_params():,} parameters"
+              + (f"; resumed at step {start} from {resume_path}" if resume_path else ""), flush=True)
+    log.write("start", format=cfg.fmt, matmul=matmul, world_size=ws, device=dev.type, n_params=model_cfg.n_params(),
+              start_step=start, resume=resume_path, torch=torch.__version__, config=dataclasses.asdict(cfg))
+    tokens_per_step = ws * cfg.micro_batches * cfg.batch_size * model_cfg.seq_len
+    losses, val_losses, checkpoints, rates, step_times = [], {}, [], [], []
+    pending = []  # this interval's per-step losses, on the device (no host sync per step)
+    bar = tqdm(total=cfg.steps, initial=start, disable=(rank != 0 or not cfg.progress), desc=cfg.fmt,
+               file=sys.stderr, dynamic_ncols=True)
+    _sync(dev)
+    t0, n_timed = time.perf_counter(), 0
+    for step in range(start, cfg.steps):
+        for g in opt.param_groups:
+            g["lr"] = learning_rate(cfg, step)
+        for mb in range(cfg.micro_batches):
+            model.set_requires_gradient_sync(mb == cfg.micro_batches - 1)
+            x, y = data.train_batch(step * cfg.micro_batches + mb, rank, ws, cfg.batch_size, cfg.data_seed, dev)
+            loss = _loss(model, x, y)
+            (loss / cfg.micro_batches).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        pending.append(loss.detach())
+        n_timed += 1
+        bar.update(1)
+        done = step + 1
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            mean = torch.stack(pending).float()
+            dist.all_reduce(mean)
+            step_losses = (mean / ws).tolist()  # a host sync: the interval's work is finished
+            _sync(dev)
+            elapsed = time.perf_counter() - t0
+            losses += step_losses
+            pending = []
+            rate, step_ms = n_timed * tokens_per_step / elapsed, 1e3 * elapsed / n_timed
+            rates.append(rate)
+            step_times.append(step_ms)
+            mem = torch.tensor([peak_memory_bytes(dev)], dtype=torch.float64, device=dev)
+            mems = [torch.zeros_like(mem) for _ in range(ws)]
+            dist.all_gather(mems, mem)
+            log.write("train", step=done, loss=step_losses[-1], lr=learning_rate(cfg, step), tokens_per_s=rate,
+                      step_ms=step_ms, peak_memory_bytes=[int(m.item()) for m in mems], memory_kind=memory_kind(dev))
+            bar.set_postfix(loss=f"{step_losses[-1]:.3f}", tok_s=f"{rate:,.0f}")
+        restart = False
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            val_losses[done] = evaluate(model, data, cfg, dev)
+            log.write("eval", step=done, val_loss=val_losses[done])
+            restart = True
+        if cfg.ckpt_every and done % cfg.ckpt_every == 0:
+            checkpoints.append(save_training_checkpoint(model, opt, done, cfg.out))
+            log.write("checkpoint", step=done, path=checkpoints[-1])
+            restart = True
+        if cfg.crash_after is not None and done == cfg.crash_after:
+            bar.close()
+            raise SimulatedCrash(f"simulated crash after step {done}")
+        if restart:  # evaluation and checkpoint time is not training time: restart the interval's clock
+            _sync(dev)
+            t0, n_timed = time.perf_counter(), 0
+    bar.close()
+    if cfg.steps not in val_losses:  # resumed exactly at the end: nothing ran
+        val_losses[cfg.steps] = evaluate(model, data, cfg, dev)
+    mem = torch.tensor([peak_memory_bytes(dev)], dtype=torch.float64, device=dev)
+    mems = [torch.zeros_like(mem) for _ in range(ws)]
+    dist.all_gather(mems, mem)
+    digests = [None] * ws
+    dist.all_gather_object(digests, state_digest(model, opt))
+    result = TrainResult(cfg.fmt, matmul, ws, model_cfg.n_params(), start, cfg.steps, losses, val_losses,
+                         val_losses[cfg.steps], _median(rates[1:] or rates), _median(step_times[1:] or step_times),
+                         [int(m.item()) for m in mems], memory_kind(dev), checkpoints, digests)
+    log.write("end", step=cfg.steps, val_loss=result.final_val_loss, tokens_per_s=result.tokens_per_s,
+              step_ms=result.step_ms, peak_memory_bytes=result.peak_memory_bytes, digests=digests)
+    if rank == 0:
+        print(f"[train] {cfg.fmt} done: {cfg.steps} steps, val loss {result.final_val_loss:.4f}, "
+              f"{result.step_ms:.1f} ms/step, {result.tokens_per_s:,.0f} tokens/s, peak memory per rank "
+              f"{result.peak_memory_bytes} ({result.memory_kind})", flush=True)
+    return result

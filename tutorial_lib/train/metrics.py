@@ -1,0 +1,98 @@
+"""What a training run measures and where it goes: a JSON-lines file, one record per event.
+
+``<out>/metrics.jsonl`` (rank 0 writes; a resumed run appends)::
+
+    {"event": "start", "format": "fp8", "matmul": "...", "world_size": 2, "n_params": ..., "config": {...}}
+    {"event": "train", "step": 10, "loss": 2.71, "lr": ..., "tokens_per_s": ..., "step_ms": ...,
+     "peak_memory_bytes": [rank 0, rank 1, ...], "memory_kind": "cuda max_memory_allocated"}
+    {"event": "eval", "step": 25, "val_loss": 2.43}
+    {"event": "checkpoint", "step": 50, "path": "..."}
+    {"event": "end", "step": 100, "val_loss": ..., "tokens_per_s": ...}
+
+``loss`` is the mean over ranks of the step's last training loss; ``tokens_per_s`` counts every
+rank's tokens over the steps since the previous record (evaluation and checkpoint time excluded).
+Peak memory is per rank: on CUDA the caching allocator's ``max_memory_allocated`` since the run
+started; on the CPU the process's peak resident set size (``ru_maxrss``: the whole process, Python
+and torch included, so only its differences between formats mean anything).
+
+Example::
+
+    from tutorial_lib.train.metrics import MetricsLog, peak_memory_bytes, read_metrics
+    log = MetricsLog("runs/a/metrics.jsonl", enabled=(rank == 0))
+    log.write("eval", step=25, val_loss=2.43)
+    records = read_metrics("runs/a/metrics.jsonl")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+
+import torch
+
+__all__ = ["MetricsLog", "memory_kind", "peak_memory_bytes", "read_metrics", "state_digest"]
+
+
+class MetricsLog:
+    """Append JSON records to ``path`` (flushed per record); a no-op where ``enabled`` is False."""
+
+    def __init__(self, path: str | os.PathLike | None, enabled: bool = True):
+        self.path = None if path is None else os.fspath(path)
+        self.enabled = enabled and self.path is not None
+        if self.enabled:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+
+    def write(self, event: str, **fields) -> dict:
+        record = {"event": event, **fields}
+        if self.enabled:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        return record
+
+
+def read_metrics(path: str | os.PathLike, event: str | None = None) -> list[dict]:
+    """The records of a metrics file (only those of ``event`` if given)."""
+    with open(path) as fh:
+        records = [json.loads(line) for line in fh if line.strip()]
+    return [r for r in records if event is None or r["event"] == event]
+
+
+def memory_kind(device: torch.device) -> str:
+    return "cuda max_memory_allocated" if device.type == "cuda" else "cpu peak RSS of the process"
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory so far (see the module docstring for what is counted where)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    t = getattr(t, "_local_tensor", t)
+    return t
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    raw = getattr(t, "raw_buffers", None)
+    if callable(raw):  # a quantized tensor: its codes and scales
+        return b"".join(_tensor_bytes(b) for _, b in sorted(raw().items()))
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    """SHA-256 of this rank's model shards and optimizer state, bit for bit (equal digests: equal states)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        if isinstance(t, torch.Tensor):
+            h.update(name.encode())
+            h.update(_tensor_bytes(_local(t)))
+    for gi, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            for key, v in sorted(optimizer.state.get(p, {}).items()):
+                if isinstance(v, torch.Tensor):
+                    h.update(f"{gi}.{i}.{key}".encode())
+                    h.update(_tensor_bytes(_local(v)))
+    return h.hexdigest()
