@@ -119,7 +119,7 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # torn down when the browser tests end: no stray processes for later tests
 def lab_server(tmp_path_factory):
     try:
         import jupyterlab  # noqa: F401
@@ -167,7 +167,7 @@ def lab_server(tmp_path_factory):
         _stop(proc)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # torn down when the browser tests end: no stray processes for later tests
 def chromium_path() -> str:
     path = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if not path:
@@ -175,7 +175,7 @@ def chromium_path() -> str:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # torn down when the browser tests end: no stray processes for later tests
 def browser(chromium_path):
     try:
         from playwright.sync_api import sync_playwright
