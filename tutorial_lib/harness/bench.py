@@ -321,7 +321,12 @@ def eager_and_compiled_fns(
     record: dict | None = None, key: str | None = None, **kwargs,
 ) -> dict[str, Callable[[], object]]:
     """Peers for a kernel as callables (time them with ours in :func:`alternating_case`): ``fn``
-    (the torch reference) eager, and under ``torch.compile``; ``equal`` as in :func:`eager_and_compiled_ms`."""
+    (the torch reference) eager, and under ``torch.compile``.
+
+    ``equal(compiled_out, eager_out)`` says whether compile reproduced the reference's bytes; the
+    answer goes into ``record[key]`` (default key: the function's name) and is printed with the
+    compile time, so a benchmark never compares against a peer that computes something else silently.
+    """
     peers = {"torch eager": lambda: fn(*args, **kwargs)}
     if compiled:
         t = time.perf_counter()
@@ -330,29 +335,6 @@ def eager_and_compiled_fns(
         print(f"  (torch.compile of {fn.__name__}: {time.perf_counter() - t:.1f} s to compile; "
               f"{'same bytes as eager' if same else 'DIFFERENT bytes from eager'})", flush=True)
         peers["torch.compile"] = lambda: compiled_fn(*args, **kwargs)
-        if record is not None:
-            record[key or fn.__name__] = same
-    return peers
-
-
-def eager_and_compiled_ms(
-    fn: Callable, *args, equal: Callable[[object, object], bool], compiled: bool = True,
-    record: dict | None = None, key: str | None = None, **kwargs,
-) -> dict[str, float]:
-    """Peers for a kernel: ``fn`` (the torch reference) eager, and under ``torch.compile``.
-
-    ``equal(compiled_out, eager_out)`` says whether compile reproduced the reference's bytes; the
-    answer goes into ``record[key]`` (default key: the function's name) and is printed with the
-    compile time, so a benchmark never compares against a peer that computes something else silently.
-    """
-    peers = {"torch eager": bench_ms(lambda: fn(*args, **kwargs))}
-    if compiled:
-        t = time.perf_counter()
-        compiled_fn = torch.compile(fn)
-        same = equal(compiled_fn(*args, **kwargs), fn(*args, **kwargs))
-        print(f"  (torch.compile of {fn.__name__}: {time.perf_counter() - t:.1f} s to compile; "
-              f"{'same bytes as eager' if same else 'DIFFERENT bytes from eager'})", flush=True)
-        peers["torch.compile"] = bench_ms(lambda: compiled_fn(*args, **kwargs))
         if record is not None:
             record[key or fn.__name__] = same
     return peers
