@@ -46,15 +46,15 @@ def _png(width: int, height: int) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _lesson(tmp_path, name="00_synthetic.ipynb"):
+def _lesson(tmp_path, name="00_synthetic.ipynb", *, body="plot()", check_src="check(True, 'x')"):
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     params = nbformat.v4.new_code_cell('device = "auto"\nworld_size = 2\nquick = True')
     params.metadata["tags"] = ["parameters"]
-    check = nbformat.v4.new_code_cell("check(True, 'x')")
+    check = nbformat.v4.new_code_cell(check_src)
     check.metadata["tags"] = ["self-check"]
     nb.cells = [nbformat.v4.new_markdown_cell("# t\nWhat you will learn: x"), params,
-                nbformat.v4.new_code_cell("plot()"), check]
+                nbformat.v4.new_code_cell(body), check]
     src_dir = tmp_path / "notebooks"
     src_dir.mkdir(exist_ok=True)
     nbformat.write(nb, src_dir / name)
@@ -178,17 +178,10 @@ def test_readme_links_follow_the_rendered_copies():
 
 def test_the_command_executes_and_renders_a_lesson(tmp_path):
     """End to end through papermill on a tiny lesson: a real run, a real matplotlib PNG, a current copy."""
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    params = nbformat.v4.new_code_cell('device = "auto"\nworld_size = 2\nquick = True')
-    params.metadata["tags"] = ["parameters"]
-    check = nbformat.v4.new_code_cell("from tutorial_lib.harness.checks import check\ncheck(quick, 'quick run')")
-    check.metadata["tags"] = ["self-check"]
-    nb.cells = [nbformat.v4.new_markdown_cell("# t\nWhat you will learn: x"), params,
-                nbformat.v4.new_code_cell("import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"), check]
-    lessons = tmp_path / "notebooks"
-    lessons.mkdir()
-    nbformat.write(nb, lessons / "00_tiny.ipynb")
+    source = _lesson(tmp_path, "00_tiny.ipynb",
+                     body="import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()",
+                     check_src="from tutorial_lib.harness.checks import check\ncheck(quick, 'quick run')")
+    lessons = source.parent
     out = tmp_path / "rendered"
     assert render._main([str(lessons / "00_tiny.ipynb"), "--device", "cpu", "--out", str(out)]) == 0
     copy = nbformat.read(out / "00_tiny.ipynb", as_version=4)
