@@ -237,19 +237,23 @@ def main(argv=None) -> None:
         big, small, configs, small_configs = _split(805_000_000, 108), _split(98_000_000, 2000), CONFIGS, SMALL_CONFIGS
         out = args.out or "benchmarks/results"
     copy = copy_bandwidth_GBps(device)
-    cases = [
-        adamw_case(f"AdamW fp32, {sum(big):,} params in {len(big)} tensors", big, device, configs, copy),
-        adamw_case(f"AdamW fp32, {len(small):,} small tensors, {sum(small):,} params", small, device, small_configs,
-                   copy),
-        bf16_master_case(f"AdamW bf16 params + fp32 master, {sum(big):,} params", big, device, configs, copy),
-        fp8_case(f"fp32 master + bf16 grad -> FP8 + amax, {sum(big):,} params", big, device, configs, copy),
+    print(f"FusedAdam vs torch AdamW on {device}; copy {copy:.0f} GB/s", flush=True)
+    runs = [
+        lambda: adamw_case(f"AdamW fp32, {sum(big):,} params in {len(big)} tensors", big, device, configs, copy),
+        lambda: adamw_case(f"AdamW fp32, {len(small):,} small tensors, {sum(small):,} params", small, device,
+                           small_configs, copy),
+        lambda: bf16_master_case(f"AdamW bf16 params + fp32 master, {sum(big):,} params", big, device, configs, copy),
+        lambda: fp8_case(f"fp32 master + bf16 grad -> FP8 + amax, {sum(big):,} params", big, device, configs, copy),
     ]
-    for c in cases:
+    cases = []
+    for run in runs:  # each case is printed as soon as it is measured
+        c = run()
+        cases.append(c)
         peers = ", ".join(f"{k} {v:.3f} ms" for k, v in c["peers"].items())
         print(f"{c['name']}: ours {c['ours_ms']:.3f} ms ({c['config']}), {c['fraction_of_copy']:.0%} of copy"
               + (f"; {peers}" if peers else "")
               + (f"; kernels alone {c['kernel_only_ms']:.3f} ms, back to back {c['back_to_back_ms']:.3f} ms/step, "
-                 f"host {c['host_ms_per_step']:.3f} ms/step" if "host_ms_per_step" in c else ""))
+                 f"host {c['host_ms_per_step']:.3f} ms/step" if "host_ms_per_step" in c else ""), flush=True)
     path = write_results(out, "adam", cases, copy, extra={"quick": args.quick})
     print(f"copy {copy:.0f} GB/s; wrote {path}")
 

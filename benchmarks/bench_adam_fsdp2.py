@@ -9,7 +9,7 @@ of bench_adam.py), timed with do_bench on the rank's GPU; rank 0's times are rep
 rank's DTensor/plain ratio: the median of 9 round-by-round ratios, the two variants taking turns (a
 step of 2,000 parameters is host-bound and the host's speed drifts; see
 ``tutorial_lib.harness.bench.time_alternating``). The rank function is
-``tutorial_lib.lessons.triton_fused_adam.dtensor_overhead`` (lesson 07 runs it too).
+``tutorial_lib.lessons.fused_adam_fsdp2.dtensor_overhead`` (lesson 08 runs it too).
 
     python benchmarks/bench_adam_fsdp2.py                 # 2 GPUs, results into benchmarks/results/
     python benchmarks/bench_adam_fsdp2.py --quick         # tiny sizes (2 CPU ranks without 2 GPUs), temp dir
@@ -30,7 +30,7 @@ import torch
 
 from tutorial_lib.dist.launcher import launch
 from tutorial_lib.harness.bench import case, copy_bandwidth_GBps, write_results
-from tutorial_lib.lessons.triton_fused_adam import DTensorOverhead, PairedTimes, dtensor_overhead
+from tutorial_lib.lessons.fused_adam_fsdp2 import DTensorOverhead, PairedTimes, dtensor_overhead
 from tutorial_lib.optim.adamw_reference import adam_bytes_per_element
 
 NAMES = {"torch": "torch AdamW (default)", "torch_fused": "torch AdamW fused", "fused": "FusedAdam"}

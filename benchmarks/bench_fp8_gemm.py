@@ -90,6 +90,8 @@ def _config_name(c: dict) -> str:
         name += " tma"
     if c["PERSISTENT"]:
         name += f" persistent x{c['OCCUPANCY']}/SM"
+    if c.get("WS"):
+        name += " warp-specialized"
     return name + f" group {c['GROUP_M']}"
 
 

@@ -10,8 +10,7 @@ device-to-device copy measured in the same run is the ceiling. Minimum traffic p
 
 MXFP8 needs no tensor-wide amax (each 32-element block is scaled on its own), so one streaming
 pass suffices and the target is the copy ceiling: >= 85% of copy bandwidth, and faster than
-``torch.compile`` of the reference (on 2026-11-30 one H200 measured eager 19.9 ms = 4%,
-torch.compile 0.91 ms = 84% for 1G elements).
+``torch.compile`` of the reference (the recorded runs: ``benchmarks/results/mxfp8_quant-*.json``).
 
 Run on a GPU (1G bf16 elements as a [32768, 32768] weight; results into benchmarks/results/)::
 

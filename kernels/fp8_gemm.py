@@ -37,16 +37,24 @@ which is the operand layout FP8 MMAs want. Tiles are visited in grouped order (G
 tiles share B tiles in L2), loads go through TMA tensor descriptors (``USE_TMA``; pointer loads,
 ``cp.async``, remain as a variant) and ``triton.autotune`` picks a config per (M, N, K).
 
-What limits it, and why the winning config is small: Triton waits for a dot to finish
-(``wgmma.wait_group 0``) before any instruction may read its result, so within one program the
-promotion ``acc += d * s`` never overlaps tensor-core work -- the tensor cores idle while it runs
-(issuing the next block's dot first does not help: the wait follows the dot, and ptxas serializes
-wgmmas whose results are read while another is in flight). The overlap has to come from a SECOND
-program on the same SM: a 64 x 128 tile in one warpgroup needs ~165 registers per thread and ~96 KB
-of shared memory for 4 stages, so two persistent programs (``PERSISTENT``, ``OCCUPANCY=2``) share
-each SM and one's promotion runs under the other's MMAs. Bigger tiles (128 x 128 in two
-warpgroups, 128 x 256) hold two fp32 [tile] arrays (accumulator + dot result) and fit only once
-per SM (or spill). ``benchmarks/bench_fp8_gemm.py --sweep`` times every variant.
+What limits it: Triton waits for a dot to finish (``wgmma.wait_group 0``) before any instruction
+may read its result, so a warpgroup's promotion ``acc += d * s`` never overlaps its own
+tensor-core work; the overlap has to come from ANOTHER warpgroup on the same SM, one that is not
+held in lockstep by CTA-wide barriers. Two ways get it:
+
+* ``WS`` (warp specialization, ``tl.range(..., warp_specialize=True)``, Hopper + TMA): Triton
+  splits the program into a producer warp that issues the TMA loads and two consumer warpgroups
+  that each own 64 rows of a BLOCK_M = 128 tile, wait only on their own wgmma and release a
+  pipeline stage through an mbarrier -- so one consumer's promotion runs under the other's MMAs,
+  and both share each B tile (the "cooperative" schedule of CUTLASS's FP8 kernels). With
+  BLOCK_N = 256 a consumer holds two fp32 [64, 128] accumulators plus one dot result (the
+  consumers get extra registers through ``setmaxnreg``), and each B byte brought into shared
+  memory feeds 128 rows.
+* Without it (``num_warps = 8`` puts two warpgroups on one tile but synchronizes them every
+  k-block): two small persistent programs per SM (``PERSISTENT``, ``OCCUPANCY=2``, 64 x 128 in
+  one warpgroup, ~165 registers per thread) interleave instead.
+
+``benchmarks/bench_fp8_gemm.py --sweep`` times every variant.
 
 Interpreter (CPU): Triton's interpreter gets low-precision ``tl.dot`` wrong, so there the codes
 are decoded to fp32 (``tutorial_kernels.fp8_round.decode_fp8``, exact) and multiplied with an fp32
@@ -130,13 +138,19 @@ def _store_tile(c_ptr, acc, rows, cols, M, N, OUT_BF16: tl.constexpr):
 @triton.jit
 def _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, K,
                s_am, s_ak, s_bn, s_bk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-               USE_TMA: tl.constexpr, INTERPRETED: tl.constexpr, OUT_BF16: tl.constexpr):
+               USE_TMA: tl.constexpr, INTERPRETED: tl.constexpr, OUT_BF16: tl.constexpr, WS: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of out. BLOCK_N = 256 is two 128-wide halves (two weight tiles), each
     with its own dot, scale and accumulator: a [BLOCK_M, 128] dot result is all that is ever live next
     to the accumulators."""
     HALF: tl.constexpr = BLOCK_N if BLOCK_N < 128 else 128
+    LOG2_BM: tl.constexpr = BLOCK_M.bit_length() - 1
     pid_m, pid_n = _grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     row0 = pid_m * BLOCK_M
+    # The same number as row0, computed as a separate value: warp specialization (Triton 3.6) splits the
+    # tile's rows between two consumers and adds the second one's 64-row offset to EVERY use of the value
+    # that addresses the A descriptor -- so row0 itself must not address it, or rows below would be offset
+    # twice (results written to, and scales read from, the wrong rows).
+    a_row0 = pid_m << LOG2_BM
     col0 = pid_n * BLOCK_N
     rows = row0 + tl.arange(0, BLOCK_M)
     cols = col0 + tl.arange(0, HALF)
@@ -149,8 +163,8 @@ def _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, 
     acc = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
     if BLOCK_N == 256:
         acc1 = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-    for kb in range(0, K // 128):
-        a = _load_tile(a_ptrs, a_desc, row0, kb, USE_TMA)
+    for kb in tl.range(0, K // 128, warp_specialize=WS):  # WS: producer warp + two consumer warpgroups
+        a = _load_tile(a_ptrs, a_desc, a_row0, kb, USE_TMA)
         sa = tl.load(sa_ptrs + kb * s_ak)
         b = _load_tile(b_ptrs, b_desc, col0, kb, USE_TMA)
         sb = tl.load(sb_ptr0 + kb * s_bk)
@@ -168,7 +182,7 @@ def _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, 
 def _blockwise_fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, s_am, s_ak, s_bn, s_bk,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
                                USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, OCCUPANCY: tl.constexpr,
-                               INTERPRETED: tl.constexpr, OUT_BF16: tl.constexpr):
+                               INTERPRETED: tl.constexpr, OUT_BF16: tl.constexpr, WS: tl.constexpr = False):
     """Non-persistent: program i computes tile i. PERSISTENT: OCCUPANCY programs per SM (the launcher sizes
     the grid from it; the kernel only strides by the grid) each walk the tiles."""
     if USE_TMA:
@@ -183,39 +197,48 @@ def _blockwise_fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, s_a
         num_tiles = tl.cdiv(M, BLOCK_M) * (N // BLOCK_N)
         for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
             _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, K, s_am, s_ak, s_bn, s_bk,
-                       BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16)
+                       BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16, WS)
     else:
         _gemm_tile(tl.program_id(0), a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, K,
-                   s_am, s_ak, s_bn, s_bk, BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16)
+                   s_am, s_ak, s_bn, s_bk, BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16, WS)
 
 
 # --------------------------------------------------------------------------- configs
 
-_TUNED = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA, PERSISTENT, OCCUPANCY, GROUP_M)
-    (64, 128, 4, 4, True, True, 2, 8), (64, 128, 4, 4, True, True, 2, 16), (64, 128, 4, 3, True, True, 2, 8),
-    (64, 128, 4, 3, True, False, 1, 8), (128, 128, 8, 4, True, True, 1, 8), (128, 128, 8, 4, True, False, 1, 8),
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA, PERSISTENT, OCCUPANCY, GROUP_M, WS)
+_TUNED = [
+    # warp-specialized 128 x 256: two consumers overlap each other's promotion and share each B tile; the
+    # fastest where N % 256 == 0. Deeper pipelines of this tile (3 or 4 stages) returned wrong results (NaN)
+    # under Triton 3.6's warp specialization on an H200, so only 2 stages are listed.
+    (128, 256, 4, 2, True, True, 1, 8, True),
+    (128, 128, 4, 3, True, True, 1, 8, True),    # the same schedule for N % 256 != 0
+    (64, 128, 4, 4, True, True, 2, 8, False),    # no warp specialization: two 64-row programs per SM interleave
+    (64, 128, 4, 3, True, False, 1, 8, False),   # small M: one tile per program, more programs than SMs
 ]
 _COVERAGE = [  # slower variants, kept compiled, swept by the benchmark and tested on GPUs
-    (128, 128, 8, 5, True, True, 1, 8), (64, 128, 4, 3, True, True, 3, 8), (128, 128, 8, 4, False, False, 1, 8),
-    (64, 128, 4, 4, False, True, 2, 8), (128, 256, 8, 3, True, False, 1, 8), (128, 256, 8, 3, True, True, 1, 8),
+    (128, 128, 4, 4, True, True, 1, 8, True),    # warp-specialized, 4 stages
+    (128, 128, 8, 4, True, True, 1, 8, False),   # two warpgroups in lockstep (no warp specialization)
+    (128, 128, 8, 4, False, False, 1, 8, False),  # pointer loads (cp.async) instead of TMA
+    (128, 256, 8, 3, True, False, 1, 8, False),  # two 128-wide halves without warp specialization
 ]
 
 
-def _config(bm, bn, warps, stages, tma, persistent=False, occupancy=1, group_m=8) -> triton.Config:
+def _config(bm, bn, warps, stages, tma, persistent=False, occupancy=1, group_m=8, ws=False) -> triton.Config:
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "GROUP_M": group_m, "USE_TMA": tma,
-                          "PERSISTENT": persistent, "OCCUPANCY": occupancy}, num_warps=warps, num_stages=stages)
+                          "PERSISTENT": persistent, "OCCUPANCY": occupancy, "WS": ws},
+                         num_warps=warps, num_stages=stages)
 
 
 def tuning_configs(all_variants: bool = False) -> list[triton.Config]:
     """The compiled configs ``triton.autotune`` chooses from (keyed on M, N, K); ``all_variants`` adds
-    the slower ones that benchmarks sweep and GPU tests cover (pointer loads, 128 x 256 tiles)."""
+    the slower ones that benchmarks sweep and GPU tests cover (pointer loads, no warp specialization)."""
     return [_config(*c) for c in _TUNED + (_COVERAGE if all_variants else [])]
 
 
 def default_config() -> dict:
     """The one fixed config of the interpreter (small tiles: ~ms per program), as ``config=`` takes it."""
     return {"BLOCK_M": 32, "BLOCK_N": 128, "GROUP_M": 4, "USE_TMA": False, "PERSISTENT": False,
-            "OCCUPANCY": 1, "num_warps": 4, "num_stages": 1}
+            "OCCUPANCY": 1, "WS": False, "num_warps": 4, "num_stages": 1}
 
 
 def _prune(configs, named_args, **kwargs):
@@ -303,15 +326,15 @@ def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: 
     dequantization multipliers (what ``quantize_fp8_blockwise`` returns), any strides. The result
     is rounded to ``out_dtype`` (bf16, fp16 or fp32) once, at the end; ``out`` may be given.
     ``config`` (keys BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, PERSISTENT, OCCUPANCY -- programs per SM of
-    a persistent launch --, num_warps, num_stages) skips the autotuner: benchmarks and tests use it
-    to pin one variant.
+    a persistent launch --, WS -- warp specialization --, num_warps, num_stages) skips the autotuner:
+    benchmarks and tests use it to pin one variant.
 
     Example::
 
         y = blockwise_fp8_gemm(a, sa, b, sb)                                  # bf16, autotuned
         y = blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32,
-                               config=dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, USE_TMA=True, PERSISTENT=True,
-                                           OCCUPANCY=2, num_warps=4, num_stages=4))
+                               config=dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, USE_TMA=True, PERSISTENT=True,
+                                           OCCUPANCY=1, WS=True, num_warps=4, num_stages=2))
     """
     M, N, K = check_blockwise_gemm_operands(a_data, a_scale_inv, b_data, b_scale_inv)
     _check_layout(a_data, a_scale_inv, b_data, b_scale_inv, out_dtype, out, M, N)

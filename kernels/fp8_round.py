@@ -3,7 +3,7 @@
 Why: Triton's *interpreter* (``TRITON_INTERPRET=1``, our CPU mode) converts fp32 -> fp8 and
 fp32 -> bf16 by truncating bit fields: carries into the next exponent are lost (31 -> 16),
 ties round away from zero, out-of-range values and NaN turn into finite garbage
-(triton-lang/triton#8322). Compiled for a GPU, ``.to(tl.float8e4nv)`` is the hardware's
+(Triton 3.x). Compiled for a GPU, ``.to(tl.float8e4nv)`` is the hardware's
 ``cvt.rn.satfinite`` (RNE, +-inf and overflow -> +-max, NaN -> NaN): already right.
 
 So ``encode_fp8`` picks per backend (the constexpr ``INTERPRETED``, fixed at import, like

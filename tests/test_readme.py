@@ -5,6 +5,9 @@ are run on a GPU node and, on a CPU machine, must fail with a clear message inst
 the wrong hardware.
 """
 
+import ast
+import importlib
+import inspect
 import os
 import re
 import subprocess
@@ -159,3 +162,44 @@ def test_own_experiment_example_uses_only_the_public_api():
 
     missing = sorted(names - set(tutorial_lib.__all__))
     assert not missing, f"not exported by tutorial_lib: {missing}"
+
+
+def _tutorial_lib_object(dotted: str):
+    """``a.b.c`` looked up from ``tutorial_lib``'s top level, importing submodules on the way."""
+    import tutorial_lib
+
+    obj = tutorial_lib
+    for part in dotted.split("."):
+        if not hasattr(obj, part) and inspect.ismodule(obj):
+            importlib.import_module(f"{obj.__name__}.{part}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_production_switches_table_names_resolve():
+    """Every name of the "our API" column of "From these lessons to production switches" exists in
+    tutorial_lib and accepts the arguments the table shows (a format string must be a registry name),
+    so the table cannot drift from the library."""
+    import tutorial_lib
+
+    title = "## From these lessons to production switches"
+    assert title in README, f"README has no section {title!r}"
+    section = README.split(title, 1)[1].split("\n## ", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("|")]
+    header = rows[0]
+    assert header[:3] == ["concept", "lessons", "our API (`tutorial_lib`)"] and header[-1] == "what it costs", header
+    spans = []
+    for row in rows[2:]:
+        assert len(row) == len(header), f"a row with {len(row)} cells, not {len(header)}: {row[0]}"
+        spans += re.findall(r"`([^`]+)`", row[2])
+    assert len(rows) - 2 >= 16 and len(spans) >= 30, (len(rows), spans)
+    for span in spans:
+        expr = ast.parse(span, mode="eval").body
+        call = expr if isinstance(expr, ast.Call) else None
+        obj = _tutorial_lib_object(ast.unparse(call.func if call else expr))
+        if call is None:
+            continue
+        inspect.signature(obj).bind_partial(*call.args, **{k.arg: None for k in call.keywords})  # TypeError if not
+        if obj in (tutorial_lib.recipe, tutorial_lib.make_quantizer):
+            assert ast.literal_eval(call.args[0]) in tutorial_lib.FORMAT_NAMES, span

@@ -345,7 +345,7 @@ class BlockMLP(_SeededModule):
 
     Parameter names (the init keys): ``blocks.<i>.{norm,fc1,fc2}.{weight,bias}``, ``norm_out.*``.
     ``fp8=None`` (default): dequantize-on-use linears; ``fp8="hybrid"`` / ``"blockwise"`` / an
-    ``Fp8Recipe``: FP8-GEMM linears (lesson 08), same parameters and init.
+    ``Fp8Recipe``: FP8-GEMM linears (lesson 09), same parameters and init.
     """
 
     def __init__(self, dim: int = 64, hidden: int = 256, n_blocks: int = 2, *, seed: int = 0, bias: bool = True,

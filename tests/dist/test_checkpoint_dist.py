@@ -152,6 +152,23 @@ def test_reshard_n_to_m_on_ranks(run, device, save_ws, load_ws):
         assert [r.mismatch for r in out] == [[]] * load_ws, mode
 
 
+def test_reshard_on_the_first_ranks_of_a_launch(run, device):
+    """``load_world_size`` < world size: the first ranks load on a group of their own, the others
+    return None (lesson 10 loads on 3 of the format matrix's 4 ranks this way)."""
+    world = _max_ranks(device)
+    if world < 2:
+        pytest.skip(f"needs 2 ranks on {device.type}")
+    root, _, expected = _saved(run, 2, device)
+    load_ws = world - 1
+    out = launch(reshard_load_run, world_size=world, device=device, args=(root, CFG, expected),
+                 kwargs={"load_world_size": load_ws}, timeout=300)
+    assert out[load_ws:] == [None] * (world - load_ws)
+    loaded = [(r.rank, r.load_world_size, r.mismatch) for r in out[:load_ws]]
+    assert loaded == [(r, load_ws, []) for r in range(load_ws)]
+    rows = [r.quantized_local_rows["blocks.0.fc1.weight"] for r in out[:load_ws]]
+    assert sum(rows) == CFG.hidden and rows[0] == -(-CFG.hidden // load_ws)
+
+
 # ----------------------------------------------------------------------------- export
 
 

@@ -14,7 +14,7 @@ import pytest
 import rank_functions as rf  # tests/dist/rank_functions.py: pytest puts this folder on sys.path
 import torch
 
-from tutorial_lib.dist import launcher
+from tutorial_lib.dist import launch_progress, launcher
 from tutorial_lib.dist.launcher import LaunchTimeout, RankFailed, launch, rank_device
 from tutorial_lib.lessons import start_here
 
@@ -233,3 +233,71 @@ def test_rank_files_are_created_private_whatever_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / "rank0.result.part").st_mode) == 0o600
+
+
+class _RecordedBar(launch_progress.RanksFinished):
+    """The launcher's bar of ranks finished, remembered with the count it was closed at."""
+
+    made: list = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.closed_at = None
+        _RecordedBar.made.append(self)
+
+    def close(self):
+        self.closed_at = self.done
+        super().close()
+
+
+@pytest.fixture
+def recorded_bars(monkeypatch):
+    _RecordedBar.made = []
+    monkeypatch.setattr(launcher, "RanksFinished", _RecordedBar)
+    return _RecordedBar.made
+
+
+def test_the_bar_of_ranks_finished_reaches_world_size(monkeypatch, capsys, recorded_bars):
+    monkeypatch.setenv("TUTORIAL_PROGRESS", "text")  # what a terminal gets; stderr is captured here
+    out = launch(start_here.allreduce_demo, world_size=3, device="cpu", args=(4,), timeout=120)
+    assert all(torch.equal(r.received, torch.arange(4, dtype=torch.float32) * 6) for r in out)
+    bar = recorded_bars[-1]  # the last attempt (a failed rendezvous is retried under load)
+    assert bar.bar.total == 3 and bar.closed_at == bar.bar.n == 3 and bar.bar.disable  # closed, at world_size
+    captured = capsys.readouterr()
+    shown = [s for s in captured.err.replace("\n", "\r").split("\r") if s.strip()]
+    assert shown and shown[-1].startswith("allreduce_demo: ranks finished: 100%") and "3/3" in shown[-1], shown
+    assert "[rank 2] sent [0.0, 3.0, 6.0, 9.0]" in captured.out  # rank lines still whole, on stdout
+
+
+def test_the_bar_closes_where_it_stopped_when_a_rank_fails(monkeypatch, recorded_bars):
+    monkeypatch.setenv("TUTORIAL_PROGRESS", "text")
+    with pytest.raises(RankFailed, match="boom-bar on rank 1") as info:
+        launch(start_here.fail_on_rank, world_size=2, device="cpu", args=(1, "boom-bar"), timeout=120, echo=False)
+    assert info.value.rank == 1
+    bar = recorded_bars[-1]  # the last attempt (a failed rendezvous is retried under load)
+    assert bar.closed_at is not None and bar.closed_at == bar.bar.n < 2 and bar.bar.disable
+    assert bar.bar not in type(bar.bar)._instances  # tqdm forgot it: no bar left on screen
+
+
+@pytest.mark.parametrize("mode", ["off", "quiet"])
+def test_a_disabled_or_quiet_bar_prints_nothing(monkeypatch, capfd, recorded_bars, mode):
+    """``off``; and ``quiet`` (what papermill's kernels get) for a launch shorter than 30 s."""
+    monkeypatch.setenv("TUTORIAL_PROGRESS", mode)
+    start = time.monotonic()
+    launch(rf.rank_identity, world_size=2, device="cpu", timeout=120, echo=False)
+    captured = capfd.readouterr()
+    assert time.monotonic() - start < launch_progress.progress.__kwdefaults__["quiet_after"]
+    assert captured.err == "" and captured.out == ""
+    assert recorded_bars[-1].closed_at == 2
+
+
+def test_rank_lines_go_through_the_bar_and_keep_their_last_lines(tmp_path):
+    (tmp_path / "rank0.log").write_text("one\ntwo\npart")
+    written = []
+    tail = launch_progress.LogTail(str(tmp_path), world_size=2, echo=True, write=written.append)
+    tail.pump()
+    assert written == ["[rank 0] one", "[rank 0] two"] and tail.partial[0] == "part"
+    tail.pump(final=True)
+    assert written[-1] == "[rank 0] part" and tail.last_lines == [["one", "two", "part"], []]
+    with pytest.raises(ValueError, match="one result path per rank"):
+        launch_progress.RanksFinished([], desc="nothing")

@@ -29,8 +29,9 @@ INNER_U = FP8_TENSOR_CORE_UNIT_ROUNDOFF if DEV == "cuda" else FP32_UNIT_ROUNDOFF
 gpu = pytest.mark.skipif(DEV != "cuda", reason="needs CUDA")
 # On a GPU the shape tests pin one config (every distinct shape would otherwise autotune, i.e. compile
 # and time every config); the autotuner and every config get their own tests below.
-CFG = None if DEV == "cpu" else {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "USE_TMA": True, "PERSISTENT": False,
-                                  "OCCUPANCY": 1, "num_warps": 8, "num_stages": 4}
+# The pinned config is warp-specialized (two consumers of 64 rows each), so ragged M exercises its row split.
+CFG = None if DEV == "cpu" else {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "USE_TMA": True, "PERSISTENT": True,
+                                  "OCCUPANCY": 1, "WS": True, "num_warps": 4, "num_stages": 3}
 
 
 def _operands(M, N, K, seed, outliers=False):
@@ -196,12 +197,16 @@ sig = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*
 out = {}
 for tma in (False, True):
     consts = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "USE_TMA": tma, "PERSISTENT": False, "OCCUPANCY": 1,
-              "INTERPRETED": False, "OUT_BF16": True}
+              "INTERPRETED": False, "OUT_BF16": True, "WS": False}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*") or n in "NK"}
     src = ASTSource(fn=k._blockwise_fp8_gemm_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
                     constexprs=consts, attrs=attrs)
     out["tma" if tma else "pointers"] = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                                        options={"num_warps": 8, "num_stages": 4}).asm["ptx"]
+consts = {**consts, "BLOCK_N": 256, "PERSISTENT": True, "WS": True}  # the warp-specialized config
+src = ASTSource(fn=k._blockwise_fp8_gemm_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
+                constexprs=consts, attrs=attrs)
+out["ws"] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
 print(json.dumps(out))
 """
 
@@ -209,11 +214,16 @@ print(json.dumps(out))
 @pytest.mark.skipif(DEV == "cuda", reason="on a GPU the tests above run the compiled kernel itself")
 def test_compiled_kernel_uses_fp8_tensor_cores(compile_ptx):
     """CPU CI never compiles the kernel; compile it for sm_90 and check the dot is an FP8 wgmma
-    (E4M3 x E4M3 -> fp32, 4 instructions of k = 32 per 128-block) and the TMA variant uses TMA."""
+    (E4M3 x E4M3 -> fp32, 4 instructions of k = 32 per 128-block) and the TMA variant uses TMA; the
+    warp-specialized 128 x 256 config runs 3 warpgroups (a TMA producer, two consumers that each issue
+    the 2 x 4 wgmmas of their 64 rows, with registers moved to them by setmaxnreg)."""
     ptx = compile_ptx(_AOT, timeout=300)
-    for name, code in ptx.items():
-        assert code.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 4, name
+    for name in ("tma", "pointers"):
+        assert ptx[name].count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 4, name
     assert "cp.async.bulk.tensor" in ptx["tma"] and "cp.async.bulk.tensor" not in ptx["pointers"]
+    ws = ptx["ws"]
+    assert ".reqntid 384" in ws and "setmaxnreg.inc" in ws and "cp.async.bulk.tensor" in ws
+    assert ws.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 2 * 2 * 4
 
 
 # --------------------------------------------------------------------------- GPU only
@@ -223,7 +233,7 @@ def test_compiled_kernel_uses_fp8_tensor_cores(compile_ptx):
 @pytest.mark.parametrize("cfg", [
     {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in tuning_configs(all_variants=True)
 ], ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}{'tma' * c['USE_TMA']}"
-                 f"{'P' + str(c['OCCUPANCY']) if c['PERSISTENT'] else ''}g{c['GROUP_M']}")
+                 f"{'P' + str(c['OCCUPANCY']) if c['PERSISTENT'] else ''}g{c['GROUP_M']}{'ws' * c['WS']}")
 def test_every_config_within_bound(cfg):
     # M = 304: ragged for every BLOCK_M; M, N, K/128 multiples of 16 and bf16 out: the same compiled
     # specialization as the benchmark's shapes (Triton specializes integer arguments on % 16)

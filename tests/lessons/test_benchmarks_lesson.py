@@ -1,4 +1,4 @@
-"""Lesson 11's module (tutorial_lib.lessons.benchmarks): recorded results read back exactly, the FSDP2
+"""Lesson 12's module (tutorial_lib.lessons.benchmarks): recorded results read back exactly, the FSDP2
 step profile and the collective timing on 2 CPU ranks. The amax-reduction rank function is tested in
 tests/optim/test_amax_reduce.py; the live benchmarks run in the lesson itself."""
 
@@ -20,6 +20,8 @@ def test_recorded_cases_are_every_case_of_every_file():
     files = sorted(RESULTS.glob("*.json"))
     assert len(rows) == sum(len(json.loads(p.read_text())["cases"]) for p in files)
     assert [r.date for r in rows] == sorted(r.date for r in rows)
+    cases = [c for p in files for c in json.loads(p.read_text())["cases"]]
+    assert sorted(r.bytes for r in rows) == sorted(c["bytes"] for c in cases)
     for r in rows:
         for name, frac in r.peer_fractions.items():  # same bytes: fractions scale inversely with time
             assert frac == pytest.approx(r.fraction_of_copy * r.ours_ms / r.peers_ms[name])

@@ -1,4 +1,4 @@
-"""Lesson 08's module (``tutorial_lib.lessons.fp8_matmuls``) and notebook keep to the lesson contract.
+"""Lesson 09's module (``tutorial_lib.lessons.fp8_matmuls``) and notebook keep to the lesson contract.
 
 Most of it runs without launching ranks: every rank function returns a documented, picklable, module-level
 dataclass; the helpers the notebook relies on (``default_shapes``, ``count_dequantizes``, ``bit_exact``) do
@@ -25,7 +25,7 @@ from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer
 from tutorial_lib.quant.float8 import CurrentScaling
 
 ROOT = Path(__file__).resolve().parents[2]
-NOTEBOOK = ROOT / "notebooks" / "08_fp8_matmuls.ipynb"
+NOTEBOOK = ROOT / "notebooks" / "09_fp8_matmuls.ipynb"
 RANK_FUNCTIONS = ["train_compare_fp8", "step_breakdown"]
 RESULT_TYPES = [obj for _, obj in inspect.getmembers(lesson, inspect.isclass)
                 if dataclasses.is_dataclass(obj) and obj.__module__ == lesson.__name__]

@@ -1,4 +1,4 @@
-"""Lesson 07's pitfall experiments (``tutorial_lib.lessons.fused_adam_pitfalls``): each one must show
+"""Lesson 08's pitfall experiments (``tutorial_lib.lessons.fused_adam_pitfalls``): each one must show
 the failure it claims and its fix.
 
 Tolerances: a FusedAdam step on the unwrapped shard vs the reference AdamW on the same fp32 shard

@@ -1,5 +1,5 @@
 """The pieces of tutorial_lib.train without launching ranks: data order, the model, the schedule, checkpoint
-discovery, metrics, configuration errors. (Runs of the loop itself: test_train_cli.py and lesson 10.)"""
+discovery, metrics, configuration errors. (Runs of the loop itself: test_train_cli.py and lesson 11.)"""
 
 import math
 import os

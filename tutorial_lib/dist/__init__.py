@@ -1,4 +1,4 @@
-"""Distributed pieces (lessons 00, 05, 06, 09): ranks, meshes, FSDP2 and checkpoints.
+"""Distributed pieces (lessons 00, 05, 06, 10): ranks, meshes, FSDP2 and checkpoints.
 
 ===================  =========================================================================
 ``runtime``          device and backend choice, deterministic CUDA, the environment report

@@ -14,7 +14,7 @@ What DCP does with one quantized parameter, and where this module steps in::
               = a raw byte copy, valid for ANY resharding because every shard of a per-tensor-scaled
                 tensor shares ONE scale (a second chunk with another scale is refused, not averaged)
 
-Why the planners exist (lesson 09 reproduces each):
+Why the planners exist (lesson 10 reproduces each):
 
 * DCP's default load copies a chunk into ``target[rows]``; when the target's scale differs from the
   checkpoint's (a fresh model) that partial-view copy REQUANTIZES with the target's stale scale:

@@ -288,7 +288,7 @@ def uninitialized_memory_as_nan():
 
     A debugging switch worth knowing (``torch.use_deterministic_algorithms`` +
     ``torch.utils.deterministic.fill_uninitialized_memory``): code that writes uninitialised memory
-    into a checkpoint -- the broken async staging of lesson 09 -- then writes NaN on every run,
+    into a checkpoint -- the broken async staging of lesson 10 -- then writes NaN on every run,
     which :func:`load_checkpoint`'s NaN check names, instead of plausible stale values.
     """
     was_on, was_warn, was_fill = (torch.are_deterministic_algorithms_enabled(),

@@ -1,6 +1,6 @@
 """Checkpoint directory hygiene: unique per run, removed on success AND on failure, never shared by accident.
 
-What goes wrong without it (lesson 09 reproduces each)::
+What goes wrong without it (lesson 10 reproduces each)::
 
     fixed path  /tmp/ckpt            two runs (or two notebooks) write into the same directory:
                                      DCP overwrites .metadata and leaves the other run's

@@ -17,6 +17,7 @@ How it works::
     store = TCPStore(master_listen_fd=sock)           GLOO_SOCKET_IFNAME = NCCL_SOCKET_IFNAME = lo
     start_processes(_rank_main, nprocs=world_size) -> init_process_group(store=TCPStore(port),
     poll: tail logs -> print "[rank r] ..." in cell      timeout=collective_timeout)
+          bar of ranks finished (launch_progress)
           ProcessContext.join(): a rank failed?       result = fn(*args, **kwargs)
           deadline passed? -> terminate, raise        pickle result -> tmp/rank{r}.result (0600)
     read results, rmtree(tmp)                         (or traceback -> tmp/rank{r}.error)
@@ -40,7 +41,9 @@ Design choices, each for a reason ``tests/dist/test_launcher.py`` exercises:
 * **Private files**: the temp dir is mode 0700 (``mkdtemp``), results and logs 0600; the caller
   unpickles only the results its own ranks wrote there.
 * **Every rank's output goes to a file the caller tails**: in Jupyter a child's fd 1 is not
-  the cell, so output is re-printed by the caller, prefixed with ``[rank r]``.
+  the cell, so output is re-printed by the caller, prefixed with ``[rank r]``; a progress bar counts
+  the ranks finished (:mod:`tutorial_lib.dist.launch_progress`: a widget in JupyterLab, nothing in an
+  executed notebook for launches under 30 s).
 * **A failing rank fails the launch at once**, with its traceback: torch's ``ProcessContext.join``
   sees the exit, and the other ranks -- most likely waiting for it in a collective, which on NCCL
   never notices a dead peer -- get half a second before SIGTERM and again before SIGKILL.
@@ -48,7 +51,7 @@ Design choices, each for a reason ``tests/dist/test_launcher.py`` exercises:
   an error in seconds instead of gloo's default 30 minutes, and the overall ``timeout`` kills
   ranks that hang outside collectives.
 * **CUDA ranks get ``CUBLAS_WORKSPACE_CONFIG=:4096:8``** unless it is set: without it cuBLAS is
-  not run-to-run deterministic when FSDP2 issues work from several streams, and lessons 06 and 09
+  not run-to-run deterministic when FSDP2 issues work from several streams, and lessons 06 and 10
   compare runs bit for bit (:func:`tutorial_lib.dist.runtime.deterministic_cuda`).
 * **Workers leave with ``os._exit``** after their result is on disk: gloo's native threads
   otherwise abort about 5% of jobs at interpreter shutdown.
@@ -77,6 +80,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
+from tutorial_lib.dist.launch_progress import LogTail, RanksFinished
 from tutorial_lib.dist.runtime import CUBLAS_DETERMINISTIC_WORKSPACE, backend_for, resolve_device
 
 __all__ = ["launch", "rank_device", "run_sequence", "LaunchError", "LaunchTimeout", "RankFailed"]
@@ -214,8 +218,8 @@ def _loopback_interface() -> str:
     return next((n for n in ("lo", "lo0") if n in names), "lo")
 
 
-# TCPStore's default (libuv) server honours master_listen_fd since pytorch/pytorch#150215 (spring 2025;
-# relied on from torch 2.8, the project's minimum, and verified with 2.13); before, a libuv server handed
+# TCPStore's default (libuv) server honours master_listen_fd since spring 2025 (torch 2.8;
+# the project's minimum; verified with 2.11 and 2.13); before, a libuv server handed
 # a socket never accepted connections on it. The legacy server always honoured it.
 _LIBUV_TAKES_LISTEN_FD = torch.__version__ >= (2, 8)
 
@@ -258,36 +262,6 @@ def _inject_rendezvous_fault(rank: int) -> None:
         raise RuntimeError("Gloo connectFullMesh failed (injected by TUTORIAL_LAUNCH_FAULT)")
 
 
-class _LogTail:
-    """Re-print what the ranks write, line by line, prefixed with their rank."""
-
-    def __init__(self, tmp: str, world_size: int, echo: bool):
-        self.paths = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
-        self.offsets = [0] * world_size
-        self.partial = [""] * world_size
-        self.last_lines: list[list[str]] = [[] for _ in range(world_size)]
-        self.echo = echo
-
-    def pump(self, final: bool = False) -> None:
-        for rank, path in enumerate(self.paths):
-            try:
-                with open(path, "rb") as fh:
-                    fh.seek(self.offsets[rank])
-                    chunk = fh.read()
-            except FileNotFoundError:
-                continue
-            self.offsets[rank] += len(chunk)
-            text = self.partial[rank] + chunk.decode("utf-8", errors="replace")
-            lines = text.split("\n")
-            self.partial[rank] = "" if final else lines.pop()
-            for line in lines:
-                if final and not line:
-                    continue
-                self.last_lines[rank] = (self.last_lines[rank] + [line])[-20:]
-                if self.echo:
-                    print(f"[rank {rank}] {line}", flush=True)
-
-
 def _stop(context: mp.ProcessContext, grace: float = 3.0) -> None:
     """Terminate, then kill, every rank still alive, and reap them all."""
     alive = [p for p in context.processes if p.is_alive()]
@@ -303,7 +277,7 @@ def _stop(context: mp.ProcessContext, grace: float = 3.0) -> None:
 
 
 def _failure_message(
-    tmp: str, world_size: int, context: mp.ProcessContext, tail: _LogTail, first: int | None = None
+    tmp: str, world_size: int, context: mp.ProcessContext, tail: LogTail, first: int | None = None
 ) -> RankFailed:
     """The error for the rank that failed first (``first``, as torch's join saw it), with its
     traceback or exit signal and last output; ranks that failed afterwards are named too."""
@@ -437,9 +411,10 @@ def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    tail = _LogTail(tmp, world_size, echo)
-    context = None
+    context = finished = None
     try:
+        finished = RanksFinished([os.path.join(tmp, f"rank{r}.result") for r in range(world_size)], fn.__qualname__)
+        tail = LogTail(tmp, world_size, echo, write=finished.note)
         with _rank_environment(dev):
             context = mp.start_processes(
                 _rank_main,
@@ -449,6 +424,7 @@ def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout,
         deadline = time.monotonic() + timeout
         while True:
             tail.pump()
+            finished.poll()  # the bar of ranks finished (quiet in executed notebooks: see launch_progress)
             try:
                 if context.join(timeout=0.2, grace_period=_FAILURE_GRACE_S):
                     break
@@ -472,6 +448,7 @@ def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout,
                     f"ranks {running} were still running and have been killed. Last output:\n{last}"
                 )
         tail.pump(final=True)
+        finished.poll()
         results = []
         for r in range(world_size):
             path = os.path.join(tmp, f"rank{r}.result")
@@ -483,5 +460,7 @@ def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout,
     finally:
         if context is not None:
             _stop(context)
+        if finished is not None:
+            finished.close()  # at world_size after a success; where it stopped after a failure
         del store
         shutil.rmtree(tmp, ignore_errors=True)

@@ -144,7 +144,7 @@ def deterministic_cuda() -> None:
     several streams -- FSDP2 uses several -- unless ``CUBLAS_WORKSPACE_CONFIG`` is set before its
     first use in the process (the launcher sets it in every CUDA rank for this reason);
     ``use_deterministic_algorithms`` covers torch's own kernels. Without them a resumed loss on GPUs
-    (lesson 09) can differ from the uninterrupted run in the last bits.
+    (lesson 10) can differ from the uninterrupted run in the last bits.
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
     torch.use_deterministic_algorithms(True, warn_only=True)

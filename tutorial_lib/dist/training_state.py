@@ -62,7 +62,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 class TrainingState:
     """DCP ``Stateful``: model + optimizer + quantizer state, everything an exact resume needs.
 
-    ``quantizers=False`` leaves the quantizer state out: the broken variant lesson 09 and the
+    ``quantizers=False`` leaves the quantizer state out: the broken variant lesson 10 and the
     tests use to show that the delayed-scaling history is part of the training state.
     """
 

@@ -1,4 +1,4 @@
-"""Lesson 11 (benchmarks): reading recorded results, timing honestly, and where a training step's time goes.
+"""Lesson 12 (benchmarks): reading recorded results, timing honestly, and where a training step's time goes.
 
 Three kinds of functions:
 
@@ -74,6 +74,7 @@ class RecordedCase:
     tflops: float | None  # GEMMs: our throughput (compute-bound, so TFLOPS is the measure)
     peers_tflops: dict[str, float]  # GEMMs: the peers' throughput
     copy_GBps: float  # the run's copy ceiling
+    bytes: int  # the minimum bytes the operation moves (the numerator of fraction_of_copy)
     mnk: tuple[int, int, int] | None  # GEMMs that record their shape: (M, N, K)
 
 
@@ -91,7 +92,7 @@ def recorded_cases(results_dir: str | Path) -> list[RecordedCase]:
                 ours_ms=float(c["ours_ms"]), ours_range_ms=tuple(rng) if rng else None, peers_ms=peers,
                 fraction_of_copy=float(frac), peer_fractions={k: frac * c["ours_ms"] / v for k, v in peers.items()},
                 tflops=c.get("tflops"), peers_tflops=dict(c.get("peers_tflops") or {}), copy_GBps=doc["copy_GBps"],
-                mnk=(c["M"], c["N"], c["K"]) if all(k in c for k in "MNK") else None))
+                bytes=int(c["bytes"]), mnk=(c["M"], c["N"], c["K"]) if all(k in c for k in "MNK") else None))
     return sorted(rows, key=lambda r: r.date)
 
 

@@ -1,4 +1,4 @@
-"""Every weight format through every FSDP2 + DCP path: the format matrix of lesson 09 (and its tests).
+"""Every weight format through every FSDP2 + DCP path: the format matrix of lesson 10 (and its tests).
 
 One launch at world size W (up to 4) runs, for one registry format, every cell its ranks allow::
 

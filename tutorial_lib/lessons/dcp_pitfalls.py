@@ -1,15 +1,16 @@
-"""Rank functions for lesson 09 (DCP pitfalls): train, checkpoint, resume and reshard a quantized FSDP2 run.
+"""Rank functions for lesson 10 (DCP pitfalls): train, checkpoint, resume and reshard a quantized FSDP2 run.
 
 The run: a tiny ``BlockMLP`` sharded with FSDP2 and quantized at init (lesson 06), trained with
-``FusedAdam`` and fp32 master weights (lesson 07). fc1 weights are delayed-scaling FP8 (FusedAdam's
+``FusedAdam`` and fp32 master weights (lesson 08). fc1 weights are delayed-scaling FP8 (FusedAdam's
 fused FP8 write), fc2 weights current-scaling FP8 (requantized from the masters), so a checkpoint
 exercises both optimizer routes and the quantizer state::
 
     checkpoint_run(root, cfg)               train cfg.steps; save sync + async; export fp32 safetensors;
       -> CheckpointRunResult                take one more step (the reference); resume fresh models from
                                             the checkpoints (RESUME_MODES) and compare, bitwise
-    reshard_load_run(root, cfg, expected)   load at THIS world size; compare every local shard with the
-      -> ReshardLoadResult                  full tensors assembled from checkpoint_run's snapshots
+    reshard_load_run(root, cfg, expected)   load at THIS world size (or on its first load_world_size ranks);
+      -> ReshardLoadResult                  compare every local shard with the full tensors assembled
+                                            from checkpoint_run's snapshots
     load_unsharded(path, cfg, planner)      world size 1, in the calling process: the unsharded twin,
       -> Snapshot                           loaded with our planner or DCP's default one
 
@@ -34,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 from collections.abc import Iterator
 
@@ -43,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tutorial_lib.dist.checkpoint import (
@@ -76,6 +79,7 @@ __all__ = [
     "compare_with_full",
     "load_unsharded",
     "reshard_load_run",
+    "resume_and_step",
     "snapshot",
     "train_step",
     "weight_recipe",
@@ -264,9 +268,11 @@ class CheckpointRunResult:
     scratch_dir: str  # the directory shared_checkpoint_dir made inside the ranks (removed before returning)
 
 
-def _resume(cfg: RunConfig, path: str, mesh, dev, rank: int, saved: Snapshot, ref_after: Snapshot,
-            quantizers: bool = True) -> ResumeResult:
-    """Fresh model + optimizer, load ``path``, take the next step; compare with ``saved`` and ``ref_after``."""
+def resume_and_step(cfg: RunConfig, path: str, mesh, dev, rank: int, saved: Snapshot, ref_after: Snapshot,
+                    quantizers: bool = True) -> ResumeResult:
+    """Inside a rank (:func:`checkpoint_run` calls it): a fresh model + optimizer on ``mesh``, load ``path``,
+    take step ``cfg.steps``; compare the loaded state with ``saved`` and the state after the step with
+    ``ref_after`` (``quantizers=False``: load without the quantizer state, the broken resume)."""
     model, opt = build_model_and_optimizer(cfg, dev, mesh)
     load_checkpoint({"app": TrainingState(model, opt, quantizers=quantizers)}, path)
     loaded = snapshot(TrainingState(model, opt).state_dict())
@@ -296,8 +302,8 @@ def checkpoint_run(root: str, cfg: RunConfig = RunConfig(), export: bool = True)
     # the run that never stopped: one more step
     ref_loss = train_step(model, opt, *batch(cfg, cfg.steps, rank, dev))
     ref_after = snapshot(TrainingState(model, opt).state_dict())
-    resumes = {mode: _resume(cfg, os.path.join(root, mode.split("-")[0]), mesh, dev, rank, saved, ref_after,
-                             quantizers=mode != "sync-without-quantizer-state")
+    resumes = {mode: resume_and_step(cfg, os.path.join(root, mode.split("-")[0]), mesh, dev, rank, saved,
+                                     ref_after, quantizers=mode != "sync-without-quantizer-state")
                for mode in RESUME_MODES}
     # hygiene inside the ranks: a scratch checkpoint in a shared, unique dir that is gone afterwards
     pending = []
@@ -333,15 +339,37 @@ class ReshardLoadResult:
     rank: int  # the rank that produced it
     mismatch: list[str]  # state keys whose local shard differs (bitwise) from the rows of the expected tensor
     quantized_local_rows: dict[str, int]  # parameter name -> rows of its quantized shard held by this rank
+    load_world_size: int  # ranks that loaded the checkpoint (the shard group of the loaded model)
 
 
-def reshard_load_run(root: str, cfg: RunConfig, expected: dict, mode: str = "sync") -> ReshardLoadResult:
-    """Load ``root/<mode>`` at THIS world size; compare every local shard with ``expected`` (full tensors)."""
+def reshard_load_run(root: str, cfg: RunConfig, expected: dict, mode: str = "sync",
+                     load_world_size: int | None = None) -> ReshardLoadResult | None:
+    """Load ``root/<mode>`` at THIS world size; compare every local shard with ``expected`` (full tensors).
+
+    ``load_world_size`` (1 .. world size): only ranks ``0 .. load_world_size-1`` build the model (on a
+    mesh of their own) and load; the other ranks return None. Every rank must call it (it makes a group).
+    """
     mesh, dev = world_mesh(deterministic=True)
-    model, opt = build_model_and_optimizer(cfg, dev, mesh)
-    load_checkpoint({"app": TrainingState(model, opt)}, os.path.join(root, mode))
-    return ReshardLoadResult(
+    group, world = None, dist.get_world_size()
+    load_world_size = world if load_world_size is None else load_world_size
+    if not 1 <= load_world_size <= world:
+        raise ValueError(f"load_world_size must be between 1 and the world size {world}, got {load_world_size}")
+    if load_world_size < world:
+        group = dist.new_group(list(range(load_world_size)))  # a collective: every rank takes part
+        # the other ranks wait as long as the load takes: a gloo group without the launch's short timeout
+        waiting = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=300))
+        if dist.get_rank() >= load_world_size:
+            dist.barrier(group=waiting)
+            return None
+        mesh = DeviceMesh.from_group(group, dev.type)
+    model, opt = build_model_and_optimizer(cfg, dev, mesh)  # a fresh model, sharded over the loading ranks
+    load_checkpoint({"app": TrainingState(model, opt)}, os.path.join(root, mode), process_group=group)
+    result = ReshardLoadResult(
         rank=dist.get_rank(),
         mismatch=compare_with_full(TrainingState(model, opt).state_dict(), expected),
         quantized_local_rows={n: local_tensor(p).shape[0] for n, p in model.named_parameters() if is_quantized(p)},
+        load_world_size=load_world_size,
     )
+    if group is not None:
+        dist.barrier(group=waiting)
+    return result

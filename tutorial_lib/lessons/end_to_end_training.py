@@ -1,4 +1,4 @@
-"""Rank functions of lesson 10 (end-to-end training): every format trained, and the ``main_grad`` pitfall.
+"""Rank functions of lesson 11 (end-to-end training): every format trained, and the ``main_grad`` pitfall.
 
 Each runs on every rank (:func:`tutorial_lib.dist.launcher.launch`) and returns a picklable dataclass::
 
@@ -41,7 +41,7 @@ from tutorial_lib.quant.registry import make_quantizer
 from tutorial_lib.train.loop import TrainConfig, TrainResult, train_model
 from tutorial_lib.train.transformer import TransformerConfig
 
-__all__ = ["AccumulationResult", "MainGradLinear", "MainGradPitfallResult", "PitfallNet", "SweepResult",
+__all__ = ["AccumulationResult", "MainGradFn", "MainGradLinear", "MainGradPitfallResult", "PitfallNet", "SweepResult",
            "accumulation_check", "blockwise_format", "main_grad_pitfall", "train_runs", "unshardable_reason"]
 
 
@@ -99,7 +99,7 @@ def blockwise_format(size: str, world_size: int) -> str:
 # ----------------------------------------------------------------------------- the main_grad pitfall
 
 
-class _MainGradFn(torch.autograd.Function):
+class MainGradFn(torch.autograd.Function):
     """``y = x @ W.T``; backward ADDS dW (fp32) into a ``main_grad`` buffer and returns no weight gradient."""
 
     @staticmethod
@@ -129,7 +129,7 @@ class MainGradLinear(nn.Linear):
         self.lookup, self.main_grad, self.seen_in_forward = lookup, None, None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _MainGradFn.apply(x, self.weight, self)
+        return MainGradFn.apply(x, self.weight, self)
 
 
 class _PitfallBlock(nn.Module):

@@ -1,4 +1,4 @@
-"""Rank functions of lesson 08 (FP8 matmuls): FSDP2 training with FP8-GEMM linears, and where a step's time goes.
+"""Rank functions of lesson 09 (FP8 matmuls): FSDP2 training with FP8-GEMM linears, and where a step's time goes.
 
 Each runs on every rank (:func:`tutorial_lib.dist.launcher.launch`; several in one launch with
 :func:`tutorial_lib.dist.launcher.run_sequence`) and returns a picklable dataclass. They exercise

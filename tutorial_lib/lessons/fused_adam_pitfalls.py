@@ -1,4 +1,4 @@
-"""Lesson 07's pitfalls, each run for real, then fixed: the experiments behind its pitfall sections.
+"""Lesson 08's pitfalls, each run for real, then fixed: the experiments behind its pitfall sections.
 
 * :func:`unwrap_pitfall` (rank function) -- an optimizer that does NOT unwrap FSDP2's DTensor
   parameters: state allocated with ``torch.zeros(p.shape)`` has the GLOBAL shape, ``p.dequantize()``

@@ -10,7 +10,8 @@ GEMM (:mod:`tutorial_lib.matmul.scaled_mm`), with the operand layouts Hopper's F
     dgrad   dx [M, K] = dy @ W      dy codes [M, N]        W  : needs W.T row-major    W.T codes [K, N] (1 B/el)
     wgrad   dW [N, K] = dy.T @ x    dy.T codes [N, M]      x  : needs x.T row-major    dy.T and x.T codes
     (M = tokens, K = in_features, N = out_features; a "transposed copy" is of the 1-byte codes,
-     exact for a per-tensor scale and for 128x128 tiles, whose scales transpose with them)
+     exact for a per-tensor scale and for 128x128 tiles, whose scales transpose with them; on CUDA
+     made by the tiled Triton transpose of ``tutorial_kernels.transpose``)
 
 Recipes (:class:`Fp8Recipe`):
 
@@ -56,6 +57,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
+from tutorial_kernels.transpose import transpose
 
 from tutorial_lib.matmul.scaled_mm import BACKENDS, FP8LayoutError, blockwise_mm, fp8_mm
 from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer, FP8Blockwise1x128Tensor, FP8Blockwise128x128Tensor
@@ -106,6 +108,12 @@ def as_recipe(recipe: Fp8Recipe | str) -> Fp8Recipe:
 def _f8(data: torch.Tensor, scale_inv: torch.Tensor, fmt: str, dtype: torch.dtype) -> Float8Tensor:
     """A Float8Tensor around codes we already hold (any strides: the wrapper reports the codes' strides)."""
     return Float8Tensor.from_buffers({"data": data, "scale_inv": scale_inv}, {"fmt": fmt}, data.shape, dtype)
+
+
+def _transposed(codes: torch.Tensor) -> torch.Tensor:
+    """``codes.t().contiguous()``: on CUDA the tiled Triton transpose (torch's strided copy of 1-byte codes runs
+    far below copy bandwidth, and backward makes three per layer), on the CPU torch's copy. Same bytes."""
+    return transpose(codes) if codes.is_cuda else codes.t().contiguous()
 
 
 def _rows_of(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -263,7 +271,7 @@ def _hybrid_backward(ctx, g2, w, x):
     if w is not None:  # dgrad: dx = dy @ W. B = W [N, K] column-major = (W.T row-major [K, N]).t(): a copy
         w_data, w_scale = w
         with _phase("transpose"):
-            w_t = w_data.t().contiguous()
+            w_t = _transposed(w_data)
         with _phase("dgrad"):
             dx = fp8_mm(_f8(gq.data, gq.scale_inv, "e5m2", g2.dtype), _f8(w_t.t(), w_scale, "e4m3", ctx.w_dtype),
                         out_dtype=ctx.x_dtype, backend=recipe.backend)
@@ -275,8 +283,8 @@ def _hybrid_backward(ctx, g2, w, x):
                 xq = CurrentScaling("e4m3", pow2=recipe.pow2_scales).cast(x)  # the same codes the forward made
             x_data, x_scale = xq.data, xq.scale_inv
         with _phase("transpose"):
-            g_t = gq.data.t().contiguous()
-            x_t = x_data.t().contiguous()
+            g_t = _transposed(gq.data)
+            x_t = _transposed(x_data)
         with _phase("wgrad"):
             dw = fp8_mm(_f8(g_t, gq.scale_inv, "e5m2", g2.dtype), _f8(x_t.t(), x_scale, "e4m3", ctx.x_dtype),
                         out_dtype=ctx.w_dtype, backend=recipe.backend)
@@ -293,7 +301,7 @@ def _blockwise_backward(ctx, g2, w, x):
         n, k = ctx.w_shape
         with _phase("transpose"):
             w_t = FP8Blockwise128x128Tensor.from_buffers(
-                {"data": w_data.t().contiguous(), "scale_inv": w_scale.t().contiguous()}, {}, (k, n), ctx.w_dtype)
+                {"data": _transposed(w_data), "scale_inv": w_scale.t().contiguous()}, {}, (k, n), ctx.w_dtype)
         with _phase("quantize"):
             gq = quant_1x128.quantize(g2)
         with _phase("dgrad"):

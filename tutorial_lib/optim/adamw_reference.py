@@ -1,4 +1,4 @@
-"""The ONE torch reference of the AdamW update, shared by kernel tests, lesson 07 and the benchmark.
+"""The ONE torch reference of the AdamW update, shared by kernel tests, lessons 07-08 and the benchmark.
 
 It follows ``torch.optim.AdamW``'s single-tensor path op for op, so on the CPU it reproduces
 ``torch.optim.AdamW(foreach=False)`` bit for bit (``tests/optim/test_fused_adam.py`` checks this)::

@@ -202,7 +202,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._graph = None
 
     def routes(self) -> list[list[str]]:
-        """Per param group, the route each (requires_grad) parameter takes: what lesson 07 prints."""
+        """Per param group, the route each (requires_grad) parameter takes: what lesson 08 prints."""
         return [[route_param(local_tensor(p), g["master_weights"], i)
                  for i, p in enumerate(g["params"]) if p.requires_grad]
                 for g in self.param_groups]

@@ -1,4 +1,4 @@
-"""End-to-end training (lesson 10): a byte-level transformer trained under FSDP2 in any weight format.
+"""End-to-end training (lesson 11): a byte-level transformer trained under FSDP2 in any weight format.
 
 ===================  =========================================================================
 ``data``             real text with no download (``pydoc_data``), byte tokens, fixed split,
@@ -8,6 +8,8 @@
 ``metrics``          the JSON-lines metrics file, peak memory, state digests
 ``loop``             ``train_model(TrainConfig)``: meta init -> FSDP2 -> quantized init -> FusedAdam ->
                      FP8 GEMMs or dequantize-on-use -> checkpoints and exact resume -> metrics
+``profiling``        where a step's time goes: ``torch.profiler`` over steps of the loop (device busy
+                     fraction, host/device time per phase, host syncs, top operators)
 ``cli``              ``python -m tutorial_lib.train`` (torchrun, one node or many)
 ===================  =========================================================================
 

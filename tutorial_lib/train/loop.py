@@ -7,10 +7,10 @@ What :func:`train` does on every rank, in order (the lesson each step comes from
     3  quantized formats: block linear weights -> META quantized tensors;           (06)
        fully_shard per block, then the root, MixedPrecisionPolicy(bf16 compute, fp32 reduce)
     4  each rank initialises / quantizes only its shard (counter-based init)      (05, 06)
-    5  FusedAdam, fp32 master weights seeded from the exact init values           (07)
-    6  matmuls: FP8 GEMMs on the all-gathered FP8 bytes where the format has one,  (08)
+    5  FusedAdam, fp32 master weights seeded from the exact init values           (08)
+    6  matmuls: FP8 GEMMs on the all-gathered FP8 bytes where the format has one,  (09)
        else the weight is dequantized to bf16 on use (the run says which)
-    7  resume: load the latest (or a given) DCP checkpoint, continue at its step   (09)
+    7  resume: load the latest (or a given) DCP checkpoint, continue at its step   (10)
     8  per step: the step's batch (a pure function of step and rank), forward, loss, backward
        (micro-batches: FSDP2's gradient sync only on the last), FusedAdam step
     9  every ckpt_every steps a DCP checkpoint; every eval_every steps the validation loss;
@@ -24,7 +24,7 @@ weights, every GEMM in bf16.
 Gradient accumulation (``micro_batches > 1``) uses FSDP2's supported path: the model's
 ``set_requires_gradient_sync(False)`` for every micro-batch but the last, so FSDP2 keeps the
 unsharded gradients (accumulated in the fp32 ``reduce_dtype``) and reduce-scatters once. Do NOT
-accumulate into a ``param.main_grad`` buffer with FSDP2 (lesson 10 shows why).
+accumulate into a ``param.main_grad`` buffer with FSDP2 (lesson 11 shows why).
 
 Inside a rank started by :func:`tutorial_lib.dist.launcher.launch` (lessons, tests) or by
 ``torchrun`` (``python -m tutorial_lib.train``; the process group is initialised first)::
@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.profiler import record_function
 from tqdm.auto import tqdm
 
 from tutorial_lib.dist.quantized_init import build_sharded_plain, build_sharded_quantized
@@ -59,8 +60,8 @@ from tutorial_lib.train.data import VOCAB_SIZE, TextData
 from tutorial_lib.train.metrics import MetricsLog, memory_kind, peak_memory_bytes, state_digest
 from tutorial_lib.train.transformer import FORMATS, Transformer, TransformerConfig, matmul_for_format, quantized_select
 
-__all__ = ["SimulatedCrash", "TrainConfig", "TrainResult", "build_model_and_optimizer", "describe_matmul", "evaluate",
-           "learning_rate", "train_mesh", "train_model"]
+__all__ = ["STEP_PHASES", "SimulatedCrash", "TrainConfig", "TrainResult", "build_model_and_optimizer",
+           "describe_matmul", "evaluate", "learning_rate", "train_mesh", "train_model", "train_step"]
 
 
 class SimulatedCrash(RuntimeError):
@@ -119,11 +120,11 @@ class TrainResult:
     n_params: int  # model parameters
     start_step: int  # 0, or the step the run resumed at
     steps: int  # steps done at the end (== config.steps)
-    losses: list[float]  # training loss of every step run here (mean over ranks), start_step .. steps - 1
+    losses: list[float]  # loss of every step run here (mean over micro-batches and ranks): start_step .. steps - 1
     val_losses: dict[int, float]  # validation loss by step count
     final_val_loss: float  # validation loss after the last step
-    tokens_per_s: float  # training tokens per second, all ranks together (median over log intervals)
-    step_ms: float  # milliseconds per optimizer step (median over log intervals)
+    tokens_per_s: float  # training tokens/s, all ranks together: median over log intervals but the first (warm-up)
+    step_ms: float  # milliseconds per optimizer step: median over log intervals but the first (compilation, warm-up)
     peak_memory_bytes: list[int]  # per rank: peak memory (memory_kind says which measure)
     memory_kind: str  # "cuda max_memory_allocated" or "cpu peak RSS of the process"
     checkpoints: list[str]  # checkpoint directories written by this run
@@ -207,6 +208,32 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2] if xs else float("nan")
 
 
+STEP_PHASES = ("train.data", "train.forward", "train.backward", "train.optimizer")
+"""``torch.profiler`` ranges of :func:`train_step`: batch to the device, forward + loss, backward, optimizer."""
+
+
+def train_step(model, opt, data: TextData, cfg: TrainConfig, step: int, dev) -> torch.Tensor:
+    """One optimizer step (step 8 of the module docstring); returns this rank's loss of the step on the device
+    (the mean over its micro-batches), without a host sync."""
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    for g in opt.param_groups:
+        g["lr"] = learning_rate(cfg, step)
+    total = None
+    for mb in range(cfg.micro_batches):
+        model.set_requires_gradient_sync(mb == cfg.micro_batches - 1)
+        with record_function("train.data"):
+            x, y = data.train_batch(step * cfg.micro_batches + mb, rank, ws, cfg.batch_size, cfg.data_seed, dev)
+        with record_function("train.forward"):
+            loss = _loss(model, x, y)
+        with record_function("train.backward"):
+            (loss / cfg.micro_batches).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    with record_function("train.optimizer"):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return total if cfg.micro_batches == 1 else total / cfg.micro_batches
+
+
 def train_model(cfg: TrainConfig) -> TrainResult:
     """Run (or resume) one training run on every rank of the current process group; see the module docstring."""
     mesh, dev = train_mesh(cfg)
@@ -234,19 +261,11 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     _sync(dev)
     t0, n_timed = time.perf_counter(), 0
     for step in range(start, cfg.steps):
-        for g in opt.param_groups:
-            g["lr"] = learning_rate(cfg, step)
-        for mb in range(cfg.micro_batches):
-            model.set_requires_gradient_sync(mb == cfg.micro_batches - 1)
-            x, y = data.train_batch(step * cfg.micro_batches + mb, rank, ws, cfg.batch_size, cfg.data_seed, dev)
-            loss = _loss(model, x, y)
-            (loss / cfg.micro_batches).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        pending.append(loss.detach())
+        pending.append(train_step(model, opt, data, cfg, step, dev))
         n_timed += 1
         bar.update(1)
         done = step + 1
+        restart = False  # a new timing interval starts after every record, evaluation and checkpoint
         if done % cfg.log_every == 0 or done == cfg.steps:
             mean = torch.stack(pending).float()
             dist.all_reduce(mean)
@@ -264,7 +283,7 @@ def train_model(cfg: TrainConfig) -> TrainResult:
             log.write("train", step=done, loss=step_losses[-1], lr=learning_rate(cfg, step), tokens_per_s=rate,
                       step_ms=step_ms, peak_memory_bytes=[int(m.item()) for m in mems], memory_kind=memory_kind(dev))
             bar.set_postfix(loss=f"{step_losses[-1]:.3f}", tok_s=f"{rate:,.0f}")
-        restart = False
+            restart = True
         if done % cfg.eval_every == 0 or done == cfg.steps:
             val_losses[done] = evaluate(model, data, cfg, dev)
             log.write("eval", step=done, val_loss=val_losses[done])
@@ -276,7 +295,7 @@ def train_model(cfg: TrainConfig) -> TrainResult:
         if cfg.crash_after is not None and done == cfg.crash_after:
             bar.close()
             raise SimulatedCrash(f"simulated crash after step {done}")
-        if restart:  # evaluation and checkpoint time is not training time: restart the interval's clock
+        if restart:  # each rate covers its own interval; evaluation and checkpoint time is not training time
             _sync(dev)
             t0, n_timed = time.perf_counter(), 0
     bar.close()

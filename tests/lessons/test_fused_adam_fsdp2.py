@@ -2,7 +2,7 @@
 
 All experiments run in ONE launch (a module fixture: starting 2 ranks costs seconds on a CPU):
 ``run_sequence`` calls the lesson's rank functions in turn, and each test asserts on its part of
-the per-rank results (typed: see the dataclasses of ``tutorial_lib.lessons.triton_fused_adam``).
+the per-rank results (typed: see the dataclasses of ``tutorial_lib.lessons.fused_adam_fsdp2``).
 
 Tolerance for FusedAdam vs torch.optim.AdamW on the same FSDP2 model: both see identical
 gradients at step 1; afterwards the parameters differ by the kernels' ulp-level differences
@@ -17,7 +17,7 @@ import torch
 
 from tutorial_lib.dist.launcher import launch, run_sequence
 from tutorial_lib.harness.bench import paired_ratio
-from tutorial_lib.lessons import triton_fused_adam as F
+from tutorial_lib.lessons import fused_adam_fsdp2 as F
 
 pytestmark = pytest.mark.distributed
 DEVICE = "cuda" if torch.cuda.device_count() >= 2 else "cpu"

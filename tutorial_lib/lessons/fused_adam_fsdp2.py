@@ -1,4 +1,4 @@
-"""FusedAdam on N ranks: the rank functions of lesson 07, its FSDP2 tests and the 2-GPU benchmark.
+"""FusedAdam on N ranks: the rank functions of lesson 08, its FSDP2 tests and the 2-GPU benchmark.
 
 Each function runs inside :func:`tutorial_lib.dist.launcher.launch` (process group initialised, one
 device per rank) and returns a dataclass of plain picklable fields, one per rank. Several of them
@@ -6,7 +6,7 @@ run in ONE launch with :func:`tutorial_lib.dist.launcher.run_sequence` (starting
 seconds on a CPU)::
 
     from tutorial_lib.dist.launcher import launch, run_sequence
-    from tutorial_lib.lessons.triton_fused_adam import dtensor_overhead, fsdp2_fused_vs_torch
+    from tutorial_lib.lessons.fused_adam_fsdp2 import dtensor_overhead, fsdp2_fused_vs_torch
     per_rank = launch(run_sequence, world_size=2, device="cpu",
                       args=([(fsdp2_fused_vs_torch, {"steps": 10}), (dtensor_overhead, {"n_params": 16})],))
     fsdp, overhead = per_rank[0]            # rank 0: a FusedVsTorch and a DTensorOverhead

@@ -1,0 +1,26 @@
+"""``tutorial_kernels.transpose``: bit-for-bit ``x.t().contiguous()`` for 1-, 2- and 4-byte elements, ragged
+tiles (sizes that are not multiples of the block), and clear errors."""
+
+import pytest
+import torch
+from tutorial_kernels.transpose import transpose
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (70, 33), (128, 64), (129, 200)])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32])
+def test_transpose_equals_torch_bit_for_bit(shape, dtype):
+    g = torch.Generator().manual_seed(shape[0] * 1000 + shape[1])
+    x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
+    if dtype != torch.uint8:
+        x = torch.randn(shape, generator=g).to(dtype)
+    out = transpose(x, block=32)
+    assert out.shape == (shape[1], shape[0]) and out.is_contiguous() and out.dtype == dtype
+    assert torch.equal(out.view(-1).view(torch.uint8), x.t().contiguous().view(-1).view(torch.uint8))
+
+
+def test_transpose_errors():
+    with pytest.raises(ValueError, match="2-D"):
+        transpose(torch.zeros(2, 2, 2))
+    with pytest.raises(ValueError, match="contiguous"):
+        transpose(torch.zeros(4, 6).t())
+    assert transpose(torch.zeros(0, 5)).shape == (5, 0)

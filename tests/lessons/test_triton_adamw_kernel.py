@@ -1,0 +1,27 @@
+"""Lesson 07's tensor-count sweep: every split is measured, the implementations agree after one step
+from identical state, the bandwidth is the 28-byte minimum over the median time, and bad splits are
+refused by name."""
+
+import pytest
+
+from tutorial_lib.lessons.triton_adamw_kernel import BYTES_PER_PARAM, tensor_count_sweep
+
+
+def test_sweep_measures_every_split_and_the_implementations_agree():
+    s = tensor_count_sweep(2048, [1, 8], "cpu", rounds=2)
+    assert [p.n_tensors for p in s.points] == [1, 8]
+    assert [p.numel_each for p in s.points] == [2048, 256]
+    assert s.implementations == ["FusedAdam", "torch AdamW fused", "torch AdamW foreach"]
+    assert s.max_rel_diff <= 1e-6  # fp32 rounding of the same update: ulp-level, never a different step
+    for p in s.points:
+        assert p.nbytes == BYTES_PER_PARAM * 2048
+        for impl in s.implementations:
+            lo, hi = p.range_ms[impl]
+            assert 0 < lo <= p.median_ms[impl] <= hi
+            assert p.GBps[impl] == pytest.approx(p.nbytes / (p.median_ms[impl] * 1e-3) / 1e9)
+    assert s.interpreted and "INTERPRETER" in s.label and s.copy_GBps > 0
+
+
+def test_counts_that_do_not_divide_are_refused():
+    with pytest.raises(ValueError, match=r"tensor counts \[3, 0\] do not divide total_params=2048"):
+        tensor_count_sweep(2048, [1, 3, 0], "cpu")

@@ -1,0 +1,60 @@
+"""Gradient accumulation in train_model: ``micro_batches=k`` of ``b`` sequences per rank is one step over the
+same ``W * k * b`` windows (all W ranks together; the data order hands them out per micro-batch) as
+``micro_batches=1`` of ``k * b`` sequences -- same mean loss, same averaged gradient -- up to rounding.
+Two CPU ranks, bf16 compute (FSDP2's MixedPrecisionPolicy), fp32 reduce.
+
+What may differ, and the tolerances (measured in brackets: k = 2 and k = 4, 4 steps, torch 2.13 CPU):
+
+* step 0 runs on identical parameters: per-token losses are the same numbers, only the order of the means
+  differs (mean of k micro-batch means vs one mean): a few fp32 ulps of ~5.7 (ulp 4.8e-7) -> 1e-5 [0, 1 ulp].
+* later steps: each rank's gradient is summed from k bf16 GEMM groups instead of one (bf16: 8 significant
+  bits), then Adam normalises it; the runs drift by rounding only -> losses 1e-3 [1.0e-4], every parameter
+  tensor within 5e-3 relative L2 [9.7e-4].
+* a run on OTHER windows (data_seed=1) must fail both by a wide margin [0.11 and 0.11]: the tolerances
+  separate "same arithmetic, other rounding" from "other data" (a loop that drops or misplaces a
+  micro-batch, or skips the gradient sync, reads other data or other gradients).
+"""
+
+import os
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tutorial_lib.dist.launcher import launch
+from tutorial_lib.lessons.end_to_end_training import train_runs
+from tutorial_lib.train.checkpoints import checkpoint_path
+from tutorial_lib.train.loop import TrainConfig
+
+STEPS = 4
+
+
+def _params(out, tmp_path) -> dict[str, torch.Tensor]:
+    """The model's full parameters from the run's last DCP checkpoint (merged into one file)."""
+    path = tmp_path / (os.path.basename(out) + ".pt")
+    dcp_to_torch_save(checkpoint_path(out, STEPS), path)
+    model = torch.load(path, weights_only=False)["train"]["model"]
+    return {k: v for k, v in model.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
+
+
+def _rel_l2(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).norm() / a[k].norm()) for k in a)
+
+
+def test_micro_batches_equal_one_batch_over_the_same_windows(tmp_path):
+    common = dict(fmt="bf16", size="tiny", steps=STEPS, lr=2e-3, warmup=2, eval_every=STEPS, eval_windows=16,
+                  log_every=STEPS, ckpt_every=STEPS, device="cpu", progress=False)
+    cfgs = [TrainConfig(batch_size=8, micro_batches=1, out=str(tmp_path / "one"), **common),
+            TrainConfig(batch_size=2, micro_batches=4, out=str(tmp_path / "micro"), **common),
+            TrainConfig(batch_size=8, micro_batches=1, data_seed=1, out=str(tmp_path / "other"), **common)]
+    one, micro, other = launch(train_runs, world_size=2, device="cpu", args=(cfgs,), timeout=600)[0].results
+    p_one, p_micro, p_other = (_params(c.out, tmp_path) for c in cfgs)
+
+    assert len(one.losses) == len(micro.losses) == STEPS
+    assert abs(one.losses[0] - micro.losses[0]) <= 1e-5, (one.losses[0], micro.losses[0])
+    assert max(abs(a - b) for a, b in zip(one.losses, micro.losses)) <= 1e-3, (one.losses, micro.losses)
+    assert abs(one.final_val_loss - micro.final_val_loss) <= 1e-3
+    assert _rel_l2(p_one, p_micro) <= 5e-3
+
+    assert max(abs(a - b) for a, b in zip(one.losses, other.losses)) > 1e-2, (one.losses, other.losses)
+    assert _rel_l2(p_one, p_other) > 5e-2
