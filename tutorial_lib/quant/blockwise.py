@@ -17,6 +17,9 @@ weights use 128x128 tiles (so the same scale serves a weight and its transpose):
 value; with ``pow2_scales=True`` it is rounded *up* to a power of two (no saturation, and
 multiplying by it is exact, at up to one binade less resolution).
 
+On CUDA, 1x128 blocks go through the one-pass Triton kernel ``tutorial_kernels.blockwise_quant``
+(bit-identical to the torch code below, which stays the reference: ``backend="torch"``).
+
 Bad and special input (documented results):
   * dims not multiples of the block -> ValueError naming the block;
   * an all-zero block -> scale_inv 1.0 and zero bytes (a zero scale would divide 0 by 0);
@@ -31,7 +34,11 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 import torch
+from tutorial_kernels.blockwise_quant import quantize_1x128
+from tutorial_kernels.fp8_args import SUPPORTED_DTYPES
 
 from tutorial_lib.quant.block import (
     E4M3_MAX,
@@ -52,6 +59,7 @@ from tutorial_lib.quant.block import (
 from tutorial_lib.quant.tensor import add_safe_global
 
 BLOCKWISE_BLOCKS = ((1, 128), (128, 128))
+_BACKENDS = ("auto", "torch", "triton")
 
 
 def _check_block(block) -> tuple[int, ...]:
@@ -74,15 +82,27 @@ def blockwise_scale_inv(amax: torch.Tensor, pow2_scales: bool = False) -> torch.
     return torch.where(s == 0, torch.full_like(s, 2.0**-127), s)
 
 
-def quantize_fp8_blockwise(x: torch.Tensor, block=(1, 128), *, pow2_scales: bool = False):
+def quantize_fp8_blockwise(x: torch.Tensor, block=(1, 128), *, pow2_scales: bool = False, backend: str = "auto"):
     """Quantize ``x`` to E4M3 with fp32 scales per block. Returns ``(data uint8, scale_inv fp32)``.
 
     THE reference shared by tests and lessons; ``block`` is (1, 128) or (128, 128).
+    ``backend``: "torch" (the reference below), "triton" (``tutorial_kernels.blockwise_quant``: one
+    pass, bit-identical codes and scales; 1x128 blocks of fp32/bf16/fp16, any strides), or "auto"
+    (Triton for 1x128 blocks of such a CUDA tensor, the torch reference otherwise).
     """
     dims = _check_block(block)
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if not x.is_floating_point():
         raise TypeError(f"FP8 blockwise quantizes floating-point tensors, got {x.dtype}")
     check_block_shape(x.shape, dims, what="FP8 blockwise")
+    if backend == "triton" and (dims != (128,) or x.dtype not in SUPPORTED_DTYPES):
+        raise ValueError(f"the Triton blockwise kernel quantizes 1x128 blocks of {SUPPORTED_DTYPES}, "
+                         f"got block {block} and {x.dtype}; use backend='torch'")
+    if backend == "triton" or (backend == "auto" and x.is_cuda and dims == (128,) and x.dtype in SUPPORTED_DTYPES):
+        x2 = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # a view when it can be
+        data, scale_inv = quantize_1x128(x2, pow2_scales=pow2_scales)
+        return data.view(x.shape), scale_inv.view(*x.shape[:-1], x.shape[-1] // 128)
     xb = to_blocks(x.to(torch.float32), dims)
     amax = block_amax(x, dims)
     nonfinite = ~torch.isfinite(amax)

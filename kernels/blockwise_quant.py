@@ -1,0 +1,157 @@
+"""FP8 blockwise 1x128 quantize in Triton: E4M3 codes and one fp32 ``scale_inv`` per 128 elements of a row.
+
+Byte-for-byte (codes) and bit-for-bit (scales) the same results as the torch reference
+``tutorial_lib.quant.blockwise.quantize_fp8_blockwise(x, (1, 128), pow2_scales=...)``, which is about
+20 torch operations (20 launches and as many temporaries on a GPU); this is ONE pass: each element is
+read once and written once as a byte, plus one fp32 scale per 128 elements. Each program owns a
+[ROWS, 128] tile -- ROWS rows of one 128-column block -- addressed through the input's strides::
+
+      x [M, K] (any strides)       one program: rows r..r+ROWS, columns 128*j..128*j+127
+             |
+      tile [ROWS, 128] --> amax per row: integer max of the fp32 bits of |x| (NaN > inf > finite)
+                       --> s = amax / 448, correctly rounded (tl.div_rn, like torch's division)
+                           pow2: s = 2**ceil(log2 s) from the bits, exponent clamped to [-127, 127]
+                           amax == 0 -> s = 1;  s underflowed to 0 -> s = 2**-127
+                       --> codes = e4m3(x / s)  (x * (1/s) for pow2: exact, so the same fp32)
+                           a block holding NaN/inf -> codes 0x7F, s = NaN
+      data [M, K] uint8 and scale_inv [M, K/128] fp32, both row-major (contiguous)
+
+Strided input: ``fp8_linear`` quantizes ``x.t()`` for the weight gradient; passing the transposed
+*view* lets the kernel read it in place (Triton specializes a stride of 1 at compile time, so the
+column-major case gets its own coalesced loads) instead of a ``.contiguous()`` copy first.
+
+Division: the reference divides every element by its block's scale (``xb / scale_inv``), and
+``x * (1 / s)`` can differ from ``x / s`` by one fp32 ulp -- enough to flip an E4M3 rounding tie.
+So non-pow2 scales use ``tl.div_rn`` per element (the correctly rounded division, not Triton's
+approximate ``/``); power-of-two scales multiply by the exact reciprocal, which gives the same fp32.
+
+Rounding to E4M3 goes through ``tutorial_kernels.fp8_round.encode_fp8`` (exact in the interpreter,
+the hardware's ``cvt.rn.satfinite`` compiled).
+
+Example::
+
+    from tutorial_kernels.blockwise_quant import quantize_1x128
+    data, scale_inv = quantize_1x128(x_bf16)                  # uint8 [M, K], fp32 [M, K/128]
+    data_t, scale_inv_t = quantize_1x128(x_bf16.t(), pow2_scales=True)   # x.T's blocks, no copy of x
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from tutorial_kernels import interpreted
+from tutorial_kernels.fp8_args import SUPPORTED_DTYPES
+from tutorial_kernels.fp8_round import INTERPRETED, encode_fp8
+
+__all__ = ["BLOCK_1X128", "quantize_1x128"]
+
+BLOCK_1X128 = 128
+"""Elements per fp32 scale along the last dim (DeepSeek-V3's activation/gradient blocks)."""
+
+
+@triton.jit
+def _to_fp32(x):
+    """Exact widening to fp32. The interpreter's bf16 -> fp32 cast mangles subnormals (bf16 shares fp32's
+    exponent range, so 1e-40 is a bf16 too): there, widen the bits instead (bf16 = top half of an fp32)."""
+    if INTERPRETED and x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _scale_inv_from_amax(amax_bits, POW2: tl.constexpr):
+    """Mirror of ``blockwise_scale_inv`` on int32 amax bits (a NaN/inf amax gives 1.0: the caller writes NaN).
+    Special values are built from bits (2**-127 = 0x00400000 is subnormal: no constant folding can flush it)."""
+    s = tl.div_rn(amax_bits.to(tl.float32, bitcast=True), 448.0)  # E4M3 max
+    if POW2:  # 2**ceil(log2 s): exponent, +1 unless the mantissa is zero; clamp; rebuild from bits
+        sb = s.to(tl.int32, bitcast=True)
+        e = ((sb >> 23) & 0xFF) - 127 + ((sb & 0x7FFFFF) != 0).to(tl.int32)
+        e = tl.minimum(tl.maximum(e, -127), 127)
+        sb = tl.where(e == -127, 0x00400000, tl.maximum(e + 127, 1) << 23)
+        s = sb.to(tl.float32, bitcast=True)
+    sb = s.to(tl.int32, bitcast=True)
+    sb = tl.where(amax_bits == 0, 0x3F800000, sb)  # an all-zero block: scale 1.0
+    sb = tl.where(sb == 0, 0x00400000, sb)  # a quotient that underflowed to 0: 2**-127
+    sb = tl.where(amax_bits >= 0x7F800000, 0x3F800000, sb)  # NaN/inf block: 1.0, a harmless divisor
+    return sb.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_1x128_kernel(x_ptr, data_ptr, scale_ptr, M, K, stride_m, stride_k, size_bucket, col_major,
+                           ROWS: tl.constexpr, POW2: tl.constexpr):
+    n_kb = K // 128
+    pid = tl.program_id(0)
+    pid_m = pid // n_kb
+    pid_k = pid - pid_m * n_kb
+    rows = pid_m.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
+    row_ok = rows < M
+    x = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :] * stride_k, mask=row_ok[:, None], other=0.0)
+    x = _to_fp32(x)
+    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # NaN-propagating amax
+    nonfinite = amax_bits >= 0x7F800000
+    s = _scale_inv_from_amax(amax_bits, POW2)
+    if POW2:
+        y = x * tl.div_rn(1.0, s)[:, None]  # exact reciprocal of a power of two: same fp32 as x / s
+    else:
+        y = tl.div_rn(x, s[:, None])  # the reference's per-element IEEE division
+    q = tl.where(nonfinite[:, None], 0x7F, encode_fp8(y, "e4m3")).to(tl.uint8)  # 0x7F: E4M3's NaN byte
+    s_bits = tl.where(nonfinite, 0x7FC00000, s.to(tl.int32, bitcast=True))  # float("nan") as torch stores it
+    tl.store(data_ptr + rows[:, None] * K + cols[None, :], q, mask=row_ok[:, None])
+    tl.store(scale_ptr + rows * n_kb + pid_k, s_bits.to(tl.float32, bitcast=True), mask=row_ok)
+
+
+_CONFIGS = [triton.Config({"ROWS": r}, num_warps=w) for r in (8, 16, 32, 64, 128) for w in (2, 4, 8)]
+# size_bucket and col_major only key the tuning: a column-major input (x.t()) wants more rows per program.
+_quantize_tuned = triton.autotune(_CONFIGS, key=["size_bucket", "col_major", "POW2"])(_quantize_1x128_kernel)
+
+
+def _check(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize_1x128 takes a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"quantize_1x128 takes {', '.join(str(d) for d in SUPPORTED_DTYPES)} input, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"quantize_1x128 takes a 2-D [rows, K] tensor, got shape {tuple(x.shape)}; "
+                         "flatten the leading dims first (x.reshape(-1, x.shape[-1]))")
+    if x.shape[1] % BLOCK_1X128:
+        raise ValueError(f"last dim {x.shape[1]} of shape {tuple(x.shape)} is not a multiple of the "
+                         f"{BLOCK_1X128}-element FP8 blockwise block (1x{BLOCK_1X128}); pad the tensor")
+    if not (x.is_cuda or interpreted()):
+        raise ValueError(f"Triton kernels run on CUDA tensors (or under TRITON_INTERPRET=1), got {x.device}")
+
+
+def _interpreter_rows(m: int) -> int:
+    # The interpreter pays ~1 ms per program: few, large programs.
+    return max(1, min(1024, triton.next_power_of_2(m)))
+
+
+def quantize_1x128(x: torch.Tensor, *, pow2_scales: bool = False, rows: int | None = None,
+                   num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """1x128-block FP8 (E4M3) quantize of a 2-D fp32/bf16/fp16 tensor with any strides.
+
+    Returns ``(data uint8 [M, K], scale_inv fp32 [M, K/128])``, both contiguous, bit-identical to
+    ``quantize_fp8_blockwise(x, (1, 128), pow2_scales=pow2_scales)``. ``rows``: rows per program
+    (a power of two); None autotunes on GPU. ValueError for a non-2-D input or K not a multiple of 128.
+    """
+    _check(x)
+    m, k = x.shape
+    data = torch.empty((m, k), dtype=torch.uint8, device=x.device)
+    scale_inv = torch.empty((m, k // BLOCK_1X128), dtype=torch.float32, device=x.device)
+    if m == 0 or k == 0:
+        return data, scale_inv
+    n_kb = k // BLOCK_1X128
+    col_major = int(x.stride(0) == 1 and x.stride(1) != 1)
+    args = (x, data, scale_inv, m, k, x.stride(0), x.stride(1), (m * k).bit_length(), col_major)
+    if interpreted() or rows is not None:
+        r = rows or _interpreter_rows(m)
+        if r & (r - 1):
+            raise ValueError(f"rows must be a power of two, got {r}")
+        _quantize_1x128_kernel[(triton.cdiv(m, r) * n_kb,)](*args, ROWS=r, POW2=bool(pow2_scales),
+                                                             num_warps=num_warps)
+    else:
+        _quantize_tuned[lambda meta: (triton.cdiv(m, meta["ROWS"]) * n_kb,)](*args, POW2=bool(pow2_scales))
+    return data, scale_inv
+
