@@ -121,7 +121,7 @@ def test_the_notebook_runs_the_rank_functions_in_one_launch():
 
 def test_the_notebook_has_the_lesson_structure():
     nb = _notebook()
-    assert nb.cells[0].source.startswith("# 08 · ")
+    assert nb.cells[0].source.startswith("# 09 · ")
     assert all(c.get("id") for c in nb.cells), "every cell has an id"
     params = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
     for line in ('device = "auto"', "world_size = 2", "quick = True"):
