@@ -68,7 +68,7 @@ from tutorial_kernels.adam_tables import (
     raw_address,
     set_grads,
 )
-from tutorial_kernels.fp8_round import encode_fp8, to_bf16
+from tutorial_kernels.fp8_round import encode_fp8, to_bf16, widen_to_fp32
 
 # the table's row numbers as compile-time constants (a @triton.jit function may only read constexpr globals)
 _R_NUMEL, _R_WEIGHT, _R_GRAD, _R_EXP_AVG, _R_EXP_AVG_SQ, _R_OUT, _R_SCALE_INV = (
@@ -176,8 +176,8 @@ def _adam_chunk(
 
     bf16 stores go through fp8_round.to_bf16: the interpreter's own fp32 -> bf16 cast is wrong
     (carries, ties, subnormals; kernels/fp8_round.py), so CPU and GPU store identical bytes."""
-    w = tl.load(w_ptr + offs, mask=mask).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+    w = widen_to_fp32(tl.load(w_ptr + offs, mask=mask))
+    g = widen_to_fp32(tl.load(g_ptr + offs, mask=mask))
     m = tl.load(m_ptr + offs, mask=mask)
     v = tl.load(v_ptr + offs, mask=mask)
     w, m, v = adamw_math(w, g, m, v, step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps)
@@ -285,7 +285,7 @@ def adam_single_tensor_kernel(
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     w = tl.load(p_ptr + offs, mask=mask)
-    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+    g = widen_to_fp32(tl.load(g_ptr + offs, mask=mask))
     m = tl.load(m_ptr + offs, mask=mask)
     v = tl.load(v_ptr + offs, mask=mask)
     w, m, v = adamw_math(w, g, m, v, step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps)

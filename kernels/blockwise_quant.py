@@ -42,22 +42,12 @@ import triton
 import triton.language as tl
 from tutorial_kernels import interpreted
 from tutorial_kernels.fp8_args import SUPPORTED_DTYPES
-from tutorial_kernels.fp8_round import INTERPRETED, encode_fp8
+from tutorial_kernels.fp8_round import encode_fp8, widen_to_fp32
 
 __all__ = ["BLOCK_1X128", "quantize_1x128"]
 
 BLOCK_1X128 = 128
 """Elements per fp32 scale along the last dim (DeepSeek-V3's activation/gradient blocks)."""
-
-
-@triton.jit
-def _to_fp32(x):
-    """Exact widening to fp32. The interpreter's bf16 -> fp32 cast mangles subnormals (bf16 shares fp32's
-    exponent range, so 1e-40 is a bf16 too): there, widen the bits instead (bf16 = top half of an fp32)."""
-    if INTERPRETED and x.dtype == tl.bfloat16:
-        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return x.to(tl.float32)
 
 
 @triton.jit
@@ -89,7 +79,7 @@ def _quantize_1x128_kernel(x_ptr, data_ptr, scale_ptr, M, K, stride_m, stride_k,
     cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
     row_ok = rows < M
     x = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :] * stride_k, mask=row_ok[:, None], other=0.0)
-    x = _to_fp32(x)
+    x = widen_to_fp32(x)
     amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # NaN-propagating amax
     nonfinite = amax_bits >= 0x7F800000
     s = _scale_inv_from_amax(amax_bits, POW2)

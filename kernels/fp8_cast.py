@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from tutorial_kernels import interpreted
 from tutorial_kernels.fp8_args import CastResult, check_amax_eps, check_dequantize_args, check_input, check_scale_arg
-from tutorial_kernels.fp8_round import decode_fp8, encode_fp8, to_bf16
+from tutorial_kernels.fp8_round import decode_fp8, encode_fp8, to_bf16, widen_to_fp32
 
 __all__ = ["amax", "cast_current_scaling", "cast_delayed_scaling", "dequantize_per_tensor", "default_block"]
 
@@ -110,7 +110,7 @@ def _scale_from_amax(amax, amax_eps, FMT: tl.constexpr, POW2: tl.constexpr):
 @triton.jit
 def _amax_kernel(x_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr):
     base, idx = _block_offsets(tl.program_id(0), BLOCK)
-    x = _load(x_ptr, base, idx, n, BLOCK).to(tl.float32)
+    x = widen_to_fp32(_load(x_ptr, base, idx, n, BLOCK))
     tl.atomic_max(amax_bits_ptr, _abs_bits_max(x), sem="relaxed")
 
 
@@ -124,7 +124,7 @@ def _cast_kernel(x_ptr, out_ptr, amax_ptr, scale_ptr, scale_inv_ptr, n, amax_eps
         tl.store(scale_ptr, scale)
         tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
     base, idx = _block_offsets(pid, BLOCK)
-    x = _load(x_ptr, base, idx, n, BLOCK).to(tl.float32)
+    x = widen_to_fp32(_load(x_ptr, base, idx, n, BLOCK))
     _store(out_ptr, base, idx, encode_fp8(x * scale, FMT), n, BLOCK)
 
 
@@ -138,7 +138,7 @@ def _cast_scaled_kernel(x_ptr, out_ptr, scale_ptr, scale_inv_ptr, amax_bits_ptr,
         if pid == 0:
             tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
     base, idx = _block_offsets(pid, BLOCK)
-    x = _load(x_ptr, base, idx, n, BLOCK).to(tl.float32)
+    x = widen_to_fp32(_load(x_ptr, base, idx, n, BLOCK))
     tl.atomic_max(amax_bits_ptr, _abs_bits_max(x), sem="relaxed")
     _store(out_ptr, base, idx, encode_fp8(x * scale, FMT), n, BLOCK)
 
@@ -156,7 +156,7 @@ def _recast_kernel(x_ptr, out_ptr, amax_ptr, guess_ptr, scale_ptr, scale_inv_ptr
         num_blocks = tl.cdiv(n, BLOCK)
         for b in range(pid, num_blocks, tl.num_programs(0)):  # persistent grid: few programs
             base, idx = _block_offsets(b, BLOCK)
-            x = _load(x_ptr, base, idx, n, BLOCK).to(tl.float32)
+            x = widen_to_fp32(_load(x_ptr, base, idx, n, BLOCK))
             _store(out_ptr, base, idx, encode_fp8(x * scale, FMT), n, BLOCK)
 
 

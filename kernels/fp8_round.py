@@ -52,7 +52,8 @@ import triton
 import triton.language as tl
 from tutorial_kernels import interpreted
 
-__all__ = ["INTERPRETED", "round_to_fp8_grid", "encode_fp8", "decode_fp8", "round_to_bf16_grid", "to_bf16"]
+__all__ = ["INTERPRETED", "round_to_fp8_grid", "encode_fp8", "decode_fp8", "round_to_bf16_grid", "to_bf16",
+           "widen_to_fp32"]
 
 INTERPRETED = tl.constexpr(interpreted())
 
@@ -143,3 +144,17 @@ def to_bf16(x):
         return (_bf16_rne_bits(x) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(tl.bfloat16)
+
+
+@triton.jit
+def widen_to_fp32(x):
+    """A loaded bf16/fp16/fp32 value -> fp32, exactly. Use it instead of ``x.to(tl.float32)`` on loads.
+
+    The interpreter's bf16 -> fp32 cast flushes bf16 subnormals (|x| < 2**-126; bf16 shares fp32's
+    exponent range, so e.g. 1e-40 is a bf16) to zero -- a tiny gradient or a weight scaled up by a
+    large FP8 scale then gives other bytes on the CPU than on the GPU. A bf16 is the top half of an
+    fp32, so the interpreter widens the bits instead; compiled, the hardware cast is exact."""
+    if INTERPRETED and x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)

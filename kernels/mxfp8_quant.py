@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 from tutorial_kernels import interpreted
-from tutorial_kernels.fp8_round import decode_fp8, encode_fp8, round_to_bf16_grid
+from tutorial_kernels.fp8_round import decode_fp8, encode_fp8, round_to_bf16_grid, widen_to_fp32
 
 __all__ = ["MX_BLOCK", "SCALE_ROUNDINGS", "mxfp8_quantize", "mxfp8_dequantize"]
 
@@ -60,7 +60,7 @@ def _mxfp8_quantize_kernel(x_ptr, data_ptr, scale_ptr, n_blocks, size_bucket,
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * 32 + tl.arange(0, 32)[None, :]
     row_ok = rows < n_blocks
-    x = tl.load(x_ptr + offs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    x = widen_to_fp32(tl.load(x_ptr + offs, mask=row_ok[:, None], other=0.0))
     # amax as bits: for non-negative floats integer order == float order, and NaN > inf.
     amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
     nonfinite = amax_bits >= 0x7F800000
