@@ -41,6 +41,7 @@ from tutorial_lib.harness.bench import (
     benchmark_device,
     case,
     copy_bandwidth_GBps,
+    split_sizes,
     time_back_to_back,
     write_results,
 )
@@ -217,10 +218,6 @@ def _fp8_optimizer_ms(sizes, device) -> float:
     return ms
 
 
-def _split(total: int, count: int) -> list[int]:
-    base = total // count
-    return [base + (1 if i < total - base * count else 0) for i in range(count)]
-
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -229,12 +226,13 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     device = benchmark_device(args.quick)
     if args.quick:
-        big, small, configs = _split(60_000, 6), _split(40_000, 20), [(4096, 4)]
+        big, small, configs = split_sizes(60_000, 6), split_sizes(40_000, 20), [(4096, 4)]
         small_configs = configs
         REPS.update(warmup=1, rep=3, rounds=2)
         out = args.out or tempfile.mkdtemp(prefix="bench-adam-")
     else:
-        big, small, configs, small_configs = _split(805_000_000, 108), _split(98_000_000, 2000), CONFIGS, SMALL_CONFIGS
+        big, small = split_sizes(805_000_000, 108), split_sizes(98_000_000, 2000)
+        configs, small_configs = CONFIGS, SMALL_CONFIGS
         out = args.out or "benchmarks/results"
     copy = copy_bandwidth_GBps(device)
     print(f"FusedAdam vs torch AdamW on {device}; copy {copy:.0f} GB/s", flush=True)

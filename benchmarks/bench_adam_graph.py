@@ -37,6 +37,7 @@ from tutorial_lib.harness.bench import (
     alternating_case,
     benchmark_device,
     copy_bandwidth_GBps,
+    split_sizes,
     time_back_to_back,
     write_results,
 )
@@ -48,10 +49,6 @@ from tutorial_lib.quant.mxfp8 import MXFP8Quantizer
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 REPS = {"warmup": 3, "rep": 20}  # CPU repetitions per timing (CUDA: do_bench); --quick: 0 and 1
 
-
-def _split(total: int, count: int) -> list[int]:
-    base = total // count
-    return [base + (1 if i < total - base * count else 0) for i in range(count)]
 
 
 def _params(sizes, device, seed=0):
@@ -175,11 +172,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     device = benchmark_device(args.quick)
     if args.quick:
-        small, rows, cols, rounds = _split(4096, 8), [8, 8], 256, 2
+        small, rows, cols, rounds = split_sizes(4096, 8), [8, 8], 256, 2
         out = args.out or tempfile.mkdtemp(prefix="bench-adam-graph-")
         REPS.update(warmup=0, rep=1)
     else:
-        small, rows, cols, rounds = _split(98_000_000, 2000), [4096] * 48, 4096, 9
+        small, rows, cols, rounds = split_sizes(98_000_000, 2000), [4096] * 48, 4096, 9
         out = args.out or "benchmarks/results"
     copy = copy_bandwidth_GBps(device)
     cases = [graph_case(small, device, copy, rounds)]

@@ -163,6 +163,13 @@ def time_rounds(fns: dict[str, Callable[[], object]], rounds: int = 9, *, warmup
     return times
 
 
+def split_sizes(total: int, count: int) -> list[int]:
+    """``total`` elements as ``count`` tensor sizes differing by at most one (the first ones get the
+    remainder): the benchmarks' "N parameters in M tensors" cases, e.g. ``split_sizes(10, 4) == [3, 3, 2, 2]``."""
+    base = total // count
+    return [base + (1 if i < total - base * count else 0) for i in range(count)]
+
+
 def spread(times: list[float]) -> dict[str, float]:
     """``{"median", "min", "max"}`` of a list of timings (ms, rounded to 5 decimals)."""
     return {"median": round(statistics.median(times), 5), "min": round(min(times), 5), "max": round(max(times), 5)}
