@@ -28,9 +28,7 @@ The FSDP2 (DTensor vs plain parameters) case needs 2 GPUs: ``benchmarks/bench_ad
 
 from __future__ import annotations
 
-import argparse
 import gc
-import tempfile
 
 import torch
 import tutorial_kernels.adam as k  # first: sets TRITON_INTERPRET=1 on a CPU-only machine
@@ -38,7 +36,7 @@ import tutorial_kernels.adam_tables as kt
 
 from tutorial_lib.harness.bench import (
     alternating_case,
-    benchmark_device,
+    benchmark_args,
     case,
     copy_bandwidth_GBps,
     split_sizes,
@@ -220,20 +218,14 @@ def _fp8_optimizer_ms(sizes, device) -> float:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU/interpreter ok), results to a temp dir")
-    args = parser.parse_args(argv)
-    device = benchmark_device(args.quick)
+    args, device, out = benchmark_args(__doc__, argv, temp_prefix="bench-adam-")
     if args.quick:
         big, small, configs = split_sizes(60_000, 6), split_sizes(40_000, 20), [(4096, 4)]
         small_configs = configs
         REPS.update(warmup=1, rep=3, rounds=2)
-        out = args.out or tempfile.mkdtemp(prefix="bench-adam-")
     else:
         big, small = split_sizes(805_000_000, 108), split_sizes(98_000_000, 2000)
         configs, small_configs = CONFIGS, SMALL_CONFIGS
-        out = args.out or "benchmarks/results"
     copy = copy_bandwidth_GBps(device)
     print(f"FusedAdam vs torch AdamW on {device}; copy {copy:.0f} GB/s", flush=True)
     runs = [

@@ -25,9 +25,7 @@ Two questions, one GPU, every variant timed in the same alternating rounds
 
 from __future__ import annotations
 
-import argparse
 import gc
-import tempfile
 
 import torch
 import tutorial_kernels.adam as k  # first: sets TRITON_INTERPRET=1 on a CPU-only machine
@@ -35,7 +33,7 @@ from tutorial_kernels.mxfp8_quant import mxfp8_quantize
 
 from tutorial_lib.harness.bench import (
     alternating_case,
-    benchmark_device,
+    benchmark_args,
     copy_bandwidth_GBps,
     split_sizes,
     time_back_to_back,
@@ -166,18 +164,12 @@ def requantize_case(fmt: str, rows: list[int], cols: int, device, copy, rounds) 
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU/interpreter ok), results to a temp dir")
-    args = parser.parse_args(argv)
-    device = benchmark_device(args.quick)
+    args, device, out = benchmark_args(__doc__, argv, temp_prefix="bench-adam-graph-")
     if args.quick:
         small, rows, cols, rounds = split_sizes(4096, 8), [8, 8], 256, 2
-        out = args.out or tempfile.mkdtemp(prefix="bench-adam-graph-")
         REPS.update(warmup=0, rep=1)
     else:
         small, rows, cols, rounds = split_sizes(98_000_000, 2000), [4096] * 48, 4096, 9
-        out = args.out or "benchmarks/results"
     copy = copy_bandwidth_GBps(device)
     cases = [graph_case(small, device, copy, rounds)]
     _free()

@@ -26,6 +26,7 @@ One JSON file per run::
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import datetime
@@ -161,6 +162,19 @@ def time_rounds(fns: dict[str, Callable[[], object]], rounds: int = 9, *, warmup
             barrier_if_distributed()
             times[name].append(bench_ms(fns[name], warmup=warmup, rep=rep))
     return times
+
+
+def benchmark_args(doc: str, argv=None, *, temp_prefix: str) -> tuple[argparse.Namespace, torch.device, str]:
+    """``(args, device, out_dir)`` of a one-GPU benchmark script taking ``--out`` and ``--quick``: the device
+    from :func:`benchmark_device`; ``out_dir`` is ``--out``, else ``benchmarks/results`` (a full run) or a new
+    temporary directory named ``temp_prefix...`` (``--quick``: tiny sizes, the CPU interpreter is fine)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU/interpreter ok), results to a temp dir")
+    args = parser.parse_args(argv)
+    device = benchmark_device(args.quick)
+    out = args.out or (tempfile.mkdtemp(prefix=temp_prefix) if args.quick else "benchmarks/results")
+    return args, device, out
 
 
 def split_sizes(total: int, count: int) -> list[int]:
