@@ -30,6 +30,9 @@ Kernel variants (compile-time flags of the one kernel)::
     OUT="lowp"       weight = fp32 master, out = bf16/fp16 param rounded from the new master (RNE)
     OUT="fp8"        weight = fp32 master, out = FP8 bytes of master * scale[t], scale_inv = 1 / scale[t],
                      amax[t] = max|master|   (delayed scaling: the scale is known before the pass)
+    OUT="fp8_current" weight = fp32 master, amax[t] = max|master| only: current scaling needs every
+                     amax (all-reduced over the shards) before the first byte, so the bytes come from a
+                     second multi-tensor launch (``tutorial_kernels.adam_current_scaling``)
     OUT="mxfp8"      weight = fp32 master, out = E4M3 bytes + one E8M0 scale per 32 elements, computed
                      from the new master in registers (a block's scale needs only its own 32 values)
     OUT="fp8_1x128"  the same with one fp32 scale_inv per 128 elements (FP8 blockwise 1x128)
@@ -172,7 +175,7 @@ def _adam_chunk(
     EVEN: tl.constexpr, s_ptr=None, rows=None, row_mask=None, RULE: tl.constexpr = "",
 ):
     """Update one chunk (``mask`` is None for a full chunk). Returns the chunk's max |new weight| as
-    fp32 BITS (int32 order: NaN > inf > finite, as scaling.amax), 0 unless OUT == "fp8".
+    fp32 BITS (int32 order: NaN > inf > finite, as scaling.amax), 0 unless OUT is "fp8" or "fp8_current".
 
     bf16 stores go through fp8_round.to_bf16: the interpreter's own fp32 -> bf16 cast is wrong
     (carries, ties, subnormals; kernels/fp8_round.py), so CPU and GPU store identical bytes."""
@@ -194,8 +197,9 @@ def _adam_chunk(
             tl.store(o_ptr + offs, to_bf16(w), mask=mask)
         else:
             tl.store(o_ptr + offs, w.to(OUT_DTYPE), mask=mask)
-    elif OUT == "fp8":  # FP8 bytes of master * scale (saturating RNE) and the amax of the master
-        tl.store(o_ptr + offs, encode_fp8(w * scale, FP8_FMT), mask=mask)
+    elif OUT == "fp8" or OUT == "fp8_current":  # the amax of the new master (fp8: and its bytes)
+        if OUT == "fp8":  # FP8 bytes of master * scale (saturating RNE)
+            tl.store(o_ptr + offs, encode_fp8(w * scale, FP8_FMT), mask=mask)
         bits = w.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         if not EVEN:
             bits = tl.where(mask, bits, 0)
@@ -261,7 +265,7 @@ def _adam_multi_tensor_kernel(
             amax_bits = _adam_chunk(w_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, None,
                                     step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps, scale,
                                     W_DTYPE, OUT, OUT_DTYPE, FP8_FMT, True, s_ptr, rows, None, RULE)
-            if OUT == "fp8":
+            if OUT == "fp8" or OUT == "fp8_current":
                 tl.atomic_max(amax_ptr + t, amax_bits, sem="relaxed")
         elif start < n:  # the tensor's last, partial chunk
             if ALIGNED and NUMEL_VEC:
@@ -271,9 +275,9 @@ def _adam_multi_tensor_kernel(
             amax_bits = _adam_chunk(w_ptr, g_ptr, m_ptr, v_ptr, o_ptr, offs, offs < n,
                                     step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps, scale,
                                     W_DTYPE, OUT, OUT_DTYPE, FP8_FMT, False, s_ptr, rows, rows * GROUP < n, RULE)
-            if OUT == "fp8":
+            if OUT == "fp8" or OUT == "fp8_current":
                 tl.atomic_max(amax_ptr + t, amax_bits, sem="relaxed")
-        # else: an empty FP8 tensor's only chunk, there just to store scale_inv
+        # else: an empty FP8 tensor's only chunk, there just to store scale_inv (fp8_current: for the cast)
 
 
 @triton.jit
@@ -308,8 +312,8 @@ def launch_adamw(
     ``hyper`` is the fp32 ``[2, T]`` table of per-tensor ``step_size`` and ``bias_correction2_sqrt``
     (:func:`adam_step_scalars_tensor`) on the tables' device, or ``[3, T]`` with the decay
     ``1 - lr * weight_decay`` as row 2 (then ``lr`` and ``weight_decay`` are not read). FP8 tables
-    take ``scales`` (fp32 [T], the scale in force per tensor); ``tables.amax`` is reset here and
-    holds max|new master| per tensor afterwards.
+    take ``scales`` (fp32 [T], the scale in force per tensor); for per-tensor FP8 tables ("fp8",
+    "fp8_current") ``tables.amax`` is reset here and holds max|new master| per tensor afterwards.
     """
     beta1, beta2 = betas
     if tables.table.device.type == "cpu" and not interpreted():  # else Triton fails on a CPU pointer
@@ -333,7 +337,7 @@ def launch_adamw(
         1.0 - lr * weight_decay, 1.0 - beta1, beta2, 1.0 - beta2, eps,
         W_DTYPE=_TL_DTYPES[tables.w_dtype], G_DTYPE=_TL_DTYPES[tables.g_dtype], OUT=tables.out,
         OUT_DTYPE=_TL_DTYPES.get(tables.out_dtype) if tables.out == "lowp" else tl.float32 if tables.out == "none"
-        else tl.uint8,
+        else tl.uint8,  # fp8_current: the byte pointer is not touched by this kernel
         FP8_FMT=tables.fp8_format or "e4m3", BLOCK=tables.block,
         ALIGNED=tables.static_aligned and tables.grads_aligned, W_BYTES=tables.w_dtype.itemsize,
         G_BYTES=tables.g_dtype.itemsize, O_BYTES=tables.out_dtype.itemsize if tables.out_dtype else 4,

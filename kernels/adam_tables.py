@@ -37,7 +37,12 @@ from tutorial_kernels import interpreted
 
 ROW_NUMEL, ROW_WEIGHT, ROW_GRAD, ROW_EXP_AVG, ROW_EXP_AVG_SQ, ROW_OUT, ROW_SCALE_INV = range(7)
 N_ROWS = 7
-OUT_KINDS = ("none", "lowp", "fp8", "mxfp8", "fp8_1x128")
+OUT_KINDS = ("none", "lowp", "fp8", "fp8_current", "mxfp8", "fp8_1x128")
+PER_TENSOR_OUTS = ("fp8", "fp8_current")
+"""Per-tensor FP8 outputs: bytes + one fp32 scale_inv per tensor, and max|new master| per tensor in
+``amax_bits``. ``"fp8"``: the Adam kernel writes the bytes with a scale known before the pass (delayed
+scaling); ``"fp8_current"``: it only takes the amax, and ``tutorial_kernels.adam_current_scaling``
+casts after the amaxes are known (and all-reduced)."""
 FP8_FORMATS = ("e4m3", "e5m2")
 BLOCK_OUTS = {"mxfp8": (32, torch.uint8, ("floor", "rceil")), "fp8_1x128": (128, torch.float32, ("amax", "pow2"))}
 """Block formats the kernel requantizes in the same pass: elements per scale, scale dtype, scale rules
@@ -98,7 +103,7 @@ class AdamTables:
 
     table: torch.Tensor  # int64 [7, T]
     chunks: torch.Tensor  # int32 [2, C]
-    amax_bits: torch.Tensor | None  # int32 [T] (out == "fp8"): fp32 bit patterns of max|master|
+    amax_bits: torch.Tensor | None  # int32 [T] (out in PER_TENSOR_OUTS): fp32 bit patterns of max|master|
     numels: list[int]
     w_dtype: torch.dtype
     g_dtype: torch.dtype
@@ -126,7 +131,7 @@ class AdamTables:
 
     @property
     def amax(self) -> torch.Tensor | None:
-        """fp32 [T]: max |new master| per tensor after an FP8 launch (NaN if the master holds NaN)."""
+        """fp32 [T]: max |new master| per tensor after a per-tensor FP8 launch (NaN if the master holds NaN)."""
         return None if self.amax_bits is None else self.amax_bits.view(torch.float32)
 
 
@@ -154,8 +159,9 @@ def build_tables(
     """Validate one bucket of tensors and write their addresses into device tables (once).
 
     ``weights`` are fp32 params/masters (or bf16/fp16 params updated without a master). ``outs``
-    are the bf16/fp16 params (``out_kind="lowp"``) or the uint8 FP8 byte buffers (``"fp8"``, with
-    one fp32 ``scale_invs`` scalar each, rewritten by the kernel, and ``fp8_format``). Block
+    are the bf16/fp16 params (``out_kind="lowp"``) or the uint8 FP8 byte buffers (``"fp8"`` and
+    ``"fp8_current"``, see :data:`PER_TENSOR_OUTS`, with one fp32 ``scale_invs`` scalar each and
+    ``fp8_format``). Block
     formats (``"mxfp8"``, ``"fp8_1x128"``, see :data:`BLOCK_OUTS`) take the uint8 element bytes as
     ``outs``, the contiguous per-block scale buffers (one scale per 32 / 128 consecutive elements)
     as ``scale_invs`` and the scale rule as ``block_rule``. Empty tensors may be included: they get
@@ -171,10 +177,11 @@ def build_tables(
         raise ValueError("weights, exp_avgs, exp_avg_sqs (and outs) need one entry per tensor")
     if (out_kind == "none") != (outs is None):
         raise ValueError(f"out_kind={out_kind!r} {'needs' if outs is None else 'takes no'} outs")
-    if (out_kind == "fp8") != (fp8_format is not None) or (out_kind in ("none", "lowp")) != (scale_invs is None):
-        raise ValueError("scale_invs and fp8_format: scale_invs are required with out_kind 'fp8' and the block "
-                         "formats and only then, fp8_format with 'fp8' only")
-    if out_kind == "fp8" and (fp8_format not in FP8_FORMATS or len(scale_invs) != n):
+    per_tensor = out_kind in PER_TENSOR_OUTS
+    if per_tensor != (fp8_format is not None) or (out_kind in ("none", "lowp")) != (scale_invs is None):
+        raise ValueError("scale_invs and fp8_format: scale_invs are required with the FP8 out_kinds "
+                         f"{PER_TENSOR_OUTS + tuple(BLOCK_OUTS)} and only then, fp8_format with {PER_TENSOR_OUTS} only")
+    if per_tensor and (fp8_format not in FP8_FORMATS or len(scale_invs) != n):
         raise ValueError(f"fp8_format must be one of {FP8_FORMATS} with one scale_inv per tensor")
     group, scale_dtype = 1, torch.float32
     if out_kind in BLOCK_OUTS:
@@ -215,7 +222,7 @@ def build_tables(
             rows[row][i] = raw_address(x, f"tensor {i} {name}")
         if scale_invs is not None:
             s = scale_invs[i]
-            want = 1 if out_kind == "fp8" else k // group
+            want = 1 if per_tensor else k // group
             if k % group:
                 raise ValueError(f"tensor {i}: {k} elements is not a multiple of the {group}-element {out_kind} block")
             if s.numel() != want or s.dtype != scale_dtype or s.device != device:
@@ -228,8 +235,8 @@ def build_tables(
     addresses = [a for r in (ROW_WEIGHT, ROW_EXP_AVG, ROW_EXP_AVG_SQ, ROW_OUT) for a in rows[r]]
     return AdamTables(
         table=torch.tensor(rows, dtype=torch.int64).to(device),
-        chunks=_chunk_table(numels, block, device, at_least_one=out_kind == "fp8"),
-        amax_bits=torch.zeros(n, dtype=torch.int32, device=device) if out_kind == "fp8" else None,
+        chunks=_chunk_table(numels, block, device, at_least_one=per_tensor),  # empty tensors still get a scale
+        amax_bits=torch.zeros(n, dtype=torch.int32, device=device) if per_tensor else None,
         numels=numels, w_dtype=w_dtype, g_dtype=grad_dtype, out=out_kind, out_dtype=out_dtype,
         fp8_format=fp8_format, block=block, static_aligned=all(a % 16 == 0 for a in addresses),
         numels_vec=all(k % 4 == 0 for k in numels), block_rule=block_rule,

@@ -1,4 +1,5 @@
-"""FP8 blockwise 1x128 quantize in Triton: E4M3 codes and one fp32 ``scale_inv`` per 128 elements of a row.
+"""FP8 blockwise quantize in Triton: E4M3 codes and one fp32 ``scale_inv`` per 1x128 block of a row
+(activations, gradients) or per 128x128 tile (weights, :func:`quantize_128x128`).
 
 Byte-for-byte (codes) and bit-for-bit (scales) the same results as the torch reference
 ``tutorial_lib.quant.blockwise.quantize_fp8_blockwise(x, (1, 128), pow2_scales=...)``, which is about
@@ -33,6 +34,7 @@ Example::
     from tutorial_kernels.blockwise_quant import quantize_1x128
     data, scale_inv = quantize_1x128(x_bf16)                  # uint8 [M, K], fp32 [M, K/128]
     data_t, scale_inv_t = quantize_1x128(x_bf16.t(), pow2_scales=True)   # x.T's blocks, no copy of x
+    w_data, w_scale_inv = quantize_128x128(w_fp32)            # uint8 [N, K], fp32 [N/128, K/128]
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from tutorial_kernels import interpreted
 from tutorial_kernels.fp8_args import SUPPORTED_DTYPES
 from tutorial_kernels.fp8_round import encode_fp8, widen_to_fp32
 
-__all__ = ["BLOCK_1X128", "quantize_1x128"]
+__all__ = ["BLOCK_1X128", "quantize_128x128", "quantize_1x128"]
 
 BLOCK_1X128 = 128
 """Elements per fp32 scale along the last dim (DeepSeek-V3's activation/gradient blocks)."""
@@ -93,22 +95,48 @@ def _quantize_1x128_kernel(x_ptr, data_ptr, scale_ptr, M, K, stride_m, stride_k,
     tl.store(scale_ptr + rows * n_kb + pid_k, s_bits.to(tl.float32, bitcast=True), mask=row_ok)
 
 
+@triton.jit
+def _quantize_128x128_kernel(x_ptr, data_ptr, scale_ptr, M, K, stride_m, stride_k, POW2: tl.constexpr):
+    """One 128x128 tile per program: its amax is a 2-D reduction, then the same scale rule and cast."""
+    n_kb = K // 128
+    pid = tl.program_id(0)
+    pid_m = pid // n_kb
+    pid_k = pid - pid_m * n_kb
+    rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
+    cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
+    x = widen_to_fp32(tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :] * stride_k))
+    amax_bits = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)  # NaN > inf > finite
+    nonfinite = amax_bits >= 0x7F800000
+    s = _scale_inv_from_amax(amax_bits, POW2)
+    if POW2:
+        y = x * tl.div_rn(1.0, s)
+    else:
+        y = tl.div_rn(x, s)
+    q = tl.where(nonfinite, 0x7F, encode_fp8(y, "e4m3")).to(tl.uint8)
+    s_bits = tl.where(nonfinite, 0x7FC00000, s.to(tl.int32, bitcast=True))
+    tl.store(data_ptr + rows[:, None] * K + cols[None, :], q)
+    tl.store(scale_ptr + pid_m * n_kb + pid_k, s_bits.to(tl.float32, bitcast=True))
+
+
 _CONFIGS = [triton.Config({"ROWS": r}, num_warps=w) for r in (8, 16, 32, 64, 128) for w in (2, 4, 8)]
 # size_bucket and col_major only key the tuning: a column-major input (x.t()) wants more rows per program.
 _quantize_tuned = triton.autotune(_CONFIGS, key=["size_bucket", "col_major", "POW2"])(_quantize_1x128_kernel)
 
 
-def _check(x: torch.Tensor) -> None:
+def _check(x: torch.Tensor, name: str = "quantize_1x128") -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"quantize_1x128 takes a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{name} takes a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"quantize_1x128 takes {', '.join(str(d) for d in SUPPORTED_DTYPES)} input, got {x.dtype}")
+        raise TypeError(f"{name} takes {', '.join(str(d) for d in SUPPORTED_DTYPES)} input, got {x.dtype}")
     if x.dim() != 2:
-        raise ValueError(f"quantize_1x128 takes a 2-D [rows, K] tensor, got shape {tuple(x.shape)}; "
+        raise ValueError(f"{name} takes a 2-D [rows, K] tensor, got shape {tuple(x.shape)}; "
                          "flatten the leading dims first (x.reshape(-1, x.shape[-1]))")
     if x.shape[1] % BLOCK_1X128:
         raise ValueError(f"last dim {x.shape[1]} of shape {tuple(x.shape)} is not a multiple of the "
                          f"{BLOCK_1X128}-element FP8 blockwise block (1x{BLOCK_1X128}); pad the tensor")
+    if name == "quantize_128x128" and x.shape[0] % BLOCK_1X128:
+        raise ValueError(f"rows {x.shape[0]} of shape {tuple(x.shape)} are not a multiple of the 128x128 tile; "
+                         "pad the tensor")
     if not (x.is_cuda or interpreted()):
         raise ValueError(f"Triton kernels run on CUDA tensors (or under TRITON_INTERPRET=1), got {x.device}")
 
@@ -145,3 +173,21 @@ def quantize_1x128(x: torch.Tensor, *, pow2_scales: bool = False, rows: int | No
         _quantize_tuned[lambda meta: (triton.cdiv(m, meta["ROWS"]) * n_kb,)](*args, POW2=bool(pow2_scales))
     return data, scale_inv
 
+
+
+def quantize_128x128(x: torch.Tensor, *, pow2_scales: bool = False,
+                     num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128-tile FP8 (E4M3) quantize of a 2-D fp32/bf16/fp16 tensor with any strides (weights).
+
+    Returns ``(data uint8 [M, K], scale_inv fp32 [M/128, K/128])``, both contiguous, bit-identical to
+    ``quantize_fp8_blockwise(x, (128, 128), pow2_scales=pow2_scales)``: one launch, one program per tile
+    (the reference is ~20 torch operations). ValueError unless M and K are multiples of 128.
+    """
+    _check(x, "quantize_128x128")
+    m, k = x.shape
+    data = torch.empty((m, k), dtype=torch.uint8, device=x.device)
+    scale_inv = torch.empty((m // BLOCK_1X128, k // BLOCK_1X128), dtype=torch.float32, device=x.device)
+    if m and k:
+        _quantize_128x128_kernel[((m // BLOCK_1X128) * (k // BLOCK_1X128),)](
+            x, data, scale_inv, m, k, x.stride(0), x.stride(1), POW2=bool(pow2_scales), num_warps=num_warps)
+    return data, scale_inv

@@ -17,8 +17,9 @@ from tutorial_lib.quant.tensor import is_quantized, local_tensor
 
 def batched_vs_per_parameter(dim: int = 24, hidden: int = 37, steps: int = 3) -> dict:
     """Two identical FSDP2 models with current-scaled FP8 weights (``hidden`` rows split unevenly, so one
-    rank's shard is a narrowed view), one FusedAdam batching the amax all-reduces, one per parameter.
-    Returns whether this rank holds a view, and whether every quantized buffer came out identical."""
+    rank's shard is a narrowed view), one FusedAdam on the fused route (one amax all-reduce, one cast
+    launch, views fixed up), one reducing per parameter. Returns whether this rank holds a view, whether
+    every quantized buffer came out identical, and each optimizer's fused formats."""
     mesh, dev = world_mesh()
     build = lambda: BlockMLP(dim, hidden, 2, dtype=torch.bfloat16)  # noqa: E731
     models = [build_sharded_quantized(build, mesh, recipe("fp8"), dev, preserve_high_precision=True)
@@ -39,4 +40,6 @@ def batched_vs_per_parameter(dim: int = 24, hidden: int = 37, steps: int = 3) ->
             for key, buf in la.raw_buffers().items():
                 other = lb.raw_buffers()[key]
                 identical &= torch.equal(buf.reshape(-1).view(torch.uint8), other.reshape(-1).view(torch.uint8))
-    return {"rank": dist.get_rank(), "views": views, "identical": bool(identical)}
+    return {"rank": dist.get_rank(), "views": views, "identical": bool(identical),
+            "fused": sorted({str(b.fused_format) for b in opts[0]._plans[0].buckets}),
+            "unfused": sorted({str(b.fused_format) for b in opts[1]._plans[0].buckets})}

@@ -15,3 +15,4 @@ def test_batched_amax_reduce_with_uneven_shards_matches_per_parameter():
     out = launch(arf.batched_vs_per_parameter, world_size=3, device="cpu", timeout=600, collective_timeout=120)
     assert any(r["views"] for r in out), "the case needs a rank whose shard is a view"
     assert all(r["identical"] for r in out), out
+    assert all("fp8_current" in r["fused"] and "fp8_current" not in r["unfused"] for r in out), out

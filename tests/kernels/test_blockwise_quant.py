@@ -1,4 +1,5 @@
-"""Triton 1x128 FP8 blockwise quantize vs the torch reference: identical bytes and scale bits.
+"""Triton FP8 blockwise quantize (1x128 blocks, 128x128 tiles) vs the torch reference: identical bytes and
+scale bits.
 
 Runs the interpreter on CPU and the compiled kernel on a GPU (``DEV``); the reference is always
 ``quantize_fp8_blockwise(..., backend="torch")``.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tutorial_kernels.blockwise_quant import quantize_1x128
+from tutorial_kernels.blockwise_quant import quantize_1x128, quantize_128x128
 
 import tutorial_lib.quant.blockwise as blockwise
 from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
@@ -63,6 +64,37 @@ def test_bytes_and_scales_match_reference(dtype, pow2, layout):
     else:
         x = base.to(DEV)
     _assert_identical(quantize_1x128(x, pow2_scales=pow2), _reference(x, pow2))
+
+
+def _tiles(dtype, seed):
+    """3 x 2 tiles of 128x128 spanning the dtype's range, with an all-zero tile, a subnormal-amax tile,
+    a tile whose amax / 448 underflows fp32 (fp32 only), a NaN tile and an inf tile."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = (-6, 3) if dtype == torch.float16 else (-30, 30)
+    mags = torch.logspace(lo, hi, 6, dtype=torch.float64)[torch.randperm(6, generator=g)].view(3, 2)
+    x = torch.randn(384, 256, generator=g, dtype=torch.float64) * mags.repeat_interleave(128, 0).repeat_interleave(
+        128, 1)
+    x.view(-1)[11::997] *= 3000
+    x[0:128, 128:256] = 0
+    x[128:256, 0:128] = torch.randn(128, 128, generator=g, dtype=torch.float64) * 1e-39
+    x[128:256, 128:256] = torch.randint(-3, 4, (128, 128), generator=g) * 2.0**-149
+    x[300, 7], x[260, 200] = float("nan"), -float("inf")
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_128x128_tiles_match_reference(dtype, pow2, layout):
+    base = _tiles(dtype, seed=50 + pow2)
+    x = base.to(DEV) if layout == "contiguous" else base.t().contiguous().to(DEV).t()
+    ref = quantize_fp8_blockwise(x, (128, 128), pow2_scales=pow2, backend="torch")
+    got = quantize_128x128(x, pow2_scales=pow2)
+    _assert_identical(got, ref)
+    assert torch.isnan(got[1][2, 0]) and torch.isnan(got[1][2, 1]) and got[1][0, 1] == 1.0
+    _assert_identical(quantize_fp8_blockwise(x.reshape(3, 128, 256) if layout == "contiguous" else x, (128, 128),
+                                             pow2_scales=pow2, backend="triton"),
+                      (ref[0].reshape(3, 128, 256), ref[1].reshape(3, 1, 2)) if layout == "contiguous" else ref)
 
 
 @pytest.mark.parametrize("pow2", [False, True])
@@ -122,21 +154,25 @@ def test_routing_and_shapes():
     assert d.shape == (0, 256) and s.shape == (0, 2)
 
 
-def test_auto_backend_uses_the_kernel_exactly_on_cuda(monkeypatch):
+def test_auto_backend_uses_the_kernels_exactly_on_cuda(monkeypatch):
     calls = []
 
-    def spy(x, **kw):
-        calls.append(x.shape)
-        return quantize_1x128(x, **kw)
+    def spy(kernel):
+        def run(x, **kw):
+            calls.append((kernel.__name__, tuple(x.shape)))
+            return kernel(x, **kw)
+        return run
 
-    monkeypatch.setattr(blockwise, "quantize_1x128", spy)
+    monkeypatch.setattr(blockwise, "quantize_1x128", spy(quantize_1x128))
+    monkeypatch.setattr(blockwise, "quantize_128x128", spy(quantize_128x128))
     x = torch.randn(4, 256, device=DEV)
     quantize_fp8_blockwise(x)  # auto, 1x128
-    quantize_fp8_blockwise(torch.randn(128, 128, device=DEV), (128, 128))  # 128x128 stays torch
+    quantize_fp8_blockwise(torch.randn(2, 128, 256, device=DEV), (128, 128))  # auto, 128x128 tiles, 3-D
     quantize_fp8_blockwise(x.double())  # fp64: the reference
-    assert calls == ([(4, 256)] if DEV == "cuda" else [])
+    assert calls == ([("quantize_1x128", (4, 256)), ("quantize_128x128", (256, 256))] if DEV == "cuda" else [])
     blockwise.BlockwiseFP8Quantizer((1, 128)).quantize(x)
-    assert len(calls) == (2 if DEV == "cuda" else 0)
+    blockwise.BlockwiseFP8Quantizer((128, 128)).quantize(torch.randn(128, 384, device=DEV))
+    assert len(calls) == (4 if DEV == "cuda" else 0)
 
 
 def test_bad_input_gets_a_clear_error():
@@ -150,8 +186,12 @@ def test_bad_input_gets_a_clear_error():
         quantize_1x128(torch.ones(4, 128, dtype=torch.int32, device=DEV))
     with pytest.raises(ValueError, match="power of two"):
         quantize_1x128(torch.randn(4, 128, device=DEV), rows=3)
-    with pytest.raises(ValueError, match="1x128 blocks"):
-        quantize_fp8_blockwise(torch.randn(128, 128), (128, 128), backend="triton")
+    with pytest.raises(ValueError, match="Triton blockwise kernels quantize"):
+        quantize_fp8_blockwise(torch.randn(128, 128, dtype=torch.float64), (128, 128), backend="triton")
+    with pytest.raises(ValueError, match=r"rows 64 .* 128x128 tile"):
+        quantize_128x128(torch.randn(64, 128, device=DEV))
+    with pytest.raises(ValueError, match=r"last dim 64 .* multiple"):
+        quantize_128x128(torch.randn(128, 64, device=DEV))
     with pytest.raises(ValueError, match="backend must be one of"):
         quantize_fp8_blockwise(torch.randn(4, 128), backend="cuda")
     with pytest.raises(ValueError, match="last dim 100"):  # the reference's own shape check comes first
@@ -168,6 +208,9 @@ def test_compiled_kernel_is_identical_on_large_tensors(pow2):
     x[5, 1000] = float("nan")
     for v in (x, x.t(), x[:4000:3, 128:]):  # row-major, column-major (wgrad's x.t()), strided rows
         _assert_identical(quantize_1x128(v, pow2_scales=pow2), _reference(v, pow2))
+    for w in (x, x.float(), x.t()):  # 128x128 tiles of a weight: bf16, fp32 master, transposed
+        _assert_identical(quantize_128x128(w, pow2_scales=pow2),
+                          quantize_fp8_blockwise(w, (128, 128), pow2_scales=pow2, backend="torch"))
 
 
 _AOT = r"""
@@ -189,8 +232,17 @@ def ptx(unit_stride, rows, pow2):
                     constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 
+def ptx_128x128(pow2):
+    sig = {"x_ptr": "*fp32", "data_ptr": "*u8", "scale_ptr": "*fp32", "M": "i32", "K": "i32", "stride_m": "i32"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
+    consts = {"stride_k": 1, "POW2": pow2}
+    src = ASTSource(fn=k._quantize_128x128_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
+                    constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+
 json.dump({"row_major": ptx("stride_k", 32, False), "row_major_pow2": ptx("stride_k", 32, True),
-           "col_major": ptx("stride_m", 64, True)}, sys.stdout)
+           "col_major": ptx("stride_m", 64, True), "tile_128x128": ptx_128x128(False),
+           "tile_128x128_pow2": ptx_128x128(True)}, sys.stdout)
 """
 
 
@@ -206,3 +258,4 @@ def test_kernel_compiles_for_sm90_with_vector_access_and_ieee_division(compile_p
         assert "div.rn.f32" in code, f"{name}: the scale is not a correctly rounded division"
     assert ptx["row_major"].count("div.rn.f32") >= 32, "non-pow2 codes must divide each element"
     assert ptx["row_major_pow2"].count("div.rn.f32") < 8, "pow2 codes multiply by the exact reciprocal"
+    assert ptx["tile_128x128"].count("div.rn.f32") >= 32 > ptx["tile_128x128_pow2"].count("div.rn.f32")

@@ -19,10 +19,16 @@ amax -- and so the scale and the bytes -- of the per-parameter route (``tests/op
 test_amax_reduce.py`` checks the bytes and counts the collectives on 2 ranks). Amaxes are reduced
 as int32 bit patterns (NaN-propagating, ``all_reduce_amax``).
 
+``FusedAdam`` goes one step further by default (``fuse_requantize=True``): the Adam kernel takes
+the amaxes of the new masters in its own pass and one multi-tensor launch casts them all
+(``tutorial_kernels.adam_current_scaling``), so neither the collectives nor the casts cost a launch
+per parameter. This module is its unfused route (``fuse_requantize=False``), and what any other
+code that writes many current-scaled FP8 tensors at once can use.
+
 Example::
 
     from tutorial_lib.optim.amax_reduce import requantize
-    n_collectives = requantize([(local_fp8_param, fp32_master), ...])    # what FusedAdam calls
+    n_collectives = requantize([(local_fp8_param, fp32_master), ...])    # FusedAdam(fuse_requantize=False)
 """
 
 from __future__ import annotations

@@ -13,12 +13,20 @@ What one ``step()`` does (per param group)::
                    scaling quantizer (scale known    scale_inv, amax         group), record_amax
                    before the update)
       requantize   any other quantized format        master only             local.copy_(master): the
-                   (current scaling, MXFP8, ...)                             format requantizes itself
+                   (NVFP4, MXFP8 with a subclassed                           format requantizes itself
+                   quantizer, fuse_requantize=False)
                    MXFP8 1x32, FP8 blockwise 1x128   master -> bytes +       - (fuse_requantize=True:
                    (their own quantizers)            block scales            the kernel's own pass)
+                   per-tensor FP8, current scaling   master + amax           ONE amax all-reduce, ONE
+                   (CurrentScaling)                                          cast launch for all of them
 
-Current-scaled FP8 parameters on the requantize route share ONE amax all-reduce per process group
-per step (``tutorial_lib.optim.amax_reduce``) instead of one per parameter; same bytes.
+Current-scaled FP8 parameters need the amax of their NEW values, reduced over every shard, before
+their first byte: the kernel updates the masters and takes their amaxes, one all-reduce per bucket
+reduces them, and one more multi-tensor launch (``tutorial_kernels.adam_current_scaling``) writes
+every parameter's bytes and scale -- the bytes of ``local.copy_(master)``, without a launch or a
+collective per parameter. ``batch_amax_reduce=False`` or ``fuse_requantize=False``: the unfused
+route, the kernel writing the masters and ``tutorial_lib.optim.amax_reduce.requantize`` the bytes
+(one all-reduce per group, or with ``batch_amax_reduce=False`` one per parameter).
 
 Per param group a :class:`~tutorial_lib.optim.fused_adam_plan.Plan` builds the kernel tables
 (``tutorial_kernels.adam_tables``) once. Per step the host makes a few C-level passes over the parameters
@@ -79,10 +87,11 @@ import itertools
 import torch
 from torch.distributed.tensor import DTensor
 from tutorial_kernels.adam import launch_adamw
+from tutorial_kernels.adam_current_scaling import launch_current_scaling_cast
 
 from tutorial_lib.optim.amax_reduce import requantize
 from tutorial_lib.optim.fused_adam_plan import MASTER_ROUTES, ROUTES, Bucket, Plan, fused_fp8_format, route_param
-from tutorial_lib.quant.per_tensor import all_reduce_amax
+from tutorial_lib.quant.per_tensor import all_reduce_amax, amax
 from tutorial_lib.quant.tensor import HP_INIT_ATTR, is_quantized, local_tensor
 
 __all__ = ["FusedAdam", "HP_INIT_ATTR", "ROUTES", "route_param", "fused_fp8_format"]
@@ -107,10 +116,11 @@ class FusedAdam(torch.optim.Optimizer):
         capturable: step counters, lr and weight decay on the device; ``step()`` never syncs and can
             be captured in a CUDA graph (see :meth:`capture`). Same results as the default, bit for bit.
         fuse_requantize: MXFP8 1x32 and FP8 blockwise 1x128 parameters get their bytes and block
-            scales from the Adam kernel's own pass (equal to their quantizer's, byte for byte);
-            False: the kernel writes the master, then ``copy_`` requantizes it (a second pass).
+            scales from the Adam kernel's own pass, current-scaled FP8 parameters from one cast
+            launch after one amax all-reduce (equal to their quantizer's, byte for byte); False: the
+            kernel writes the master, then ``copy_`` requantizes it (a second pass per parameter).
         batch_amax_reduce: one amax all-reduce per process group for all current-scaled FP8
-            parameters (``tutorial_lib.optim.amax_reduce``); False: one per parameter.
+            parameters; False: one per parameter (and no fused cast: the contrast lesson 12 measures).
 
     The kernel tables are cached per group. They are rebuilt automatically when parameters get
     new storage (``p.data = ...``, FSDP2 lazy init), on ``load_state_dict`` and ``add_param_group``.
@@ -277,6 +287,8 @@ class FusedAdam(torch.optim.Optimizer):
         for b in plan.buckets:
             if b.route == "fp8_fused":
                 self._fp8_step(b, b.hyper, grads, kw)
+            elif b.fused_format == "fp8_current":
+                self._fp8_current_step(b, b.hyper, grads, kw)
             else:
                 launch_adamw(b.tables, b.hyper, **kw)
             if b.route == "requantize" and b.fused_format is None:  # the format requantizes the new master
@@ -365,6 +377,33 @@ class FusedAdam(torch.optim.Optimizer):
         for j, i in enumerate(b.members):
             if grads[i] is not None:
                 b.quantizers[j].record_amax(amax[j])  # copied into the history
+
+    @staticmethod
+    def _fp8_current_step(b: Bucket, hyper: torch.Tensor, grads: list, kw: dict) -> None:
+        """Current scaling fused: masters + amaxes (one launch), ONE amax all-reduce, bytes (one launch).
+
+        A partial-view shard (FSDP2's short last shard of an uneven split) shares its scale with the
+        rest of its root: as in ``local.copy_(master)``, the whole root is rescaled -- its amax (taken
+        over the root's values, the view's part replaced by the new master) joins the all-reduce, and
+        after the cast the root is requantized with the reduced amax (the view's bytes come out equal)."""
+        group = b.quantizers[0].amax_group()  # raises if pickling dropped it
+        if any(q.amax_group() is not group for q in b.quantizers):
+            raise RuntimeError("a current-scaled FP8 parameter changed its quantizer's group since the kernel "
+                               "tables were built (set_group?): call FusedAdam.rebuild()")
+        launch_adamw(b.tables, hyper, **kw)
+        amaxes = b.tables.amax
+        fixups = []
+        for j, local, master in b.views:  # a few shards at most: the torch route, per view
+            if grads[b.members[j]] is not None:
+                target, values = local.requantize_target(master)
+                amaxes[j].copy_(amax(values))
+                fixups.append((j, local, target, values))
+        if group is not None:
+            all_reduce_amax(amaxes, group)  # ONE collective for the whole bucket
+        _, pow2, amax_eps, _ = b.current
+        launch_current_scaling_cast(b.tables, amax_eps=amax_eps, pow2=pow2)
+        for j, local, target, values in fixups:
+            local.quantizer.quantize_into(target, values, reduced_amax=amaxes[j])
 
     # -- bookkeeping ------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:

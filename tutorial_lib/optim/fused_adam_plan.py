@@ -44,13 +44,28 @@ from tutorial_kernels.adam_tables import AdamTables, build_tables, copy_to_devic
 
 from tutorial_lib.optim.adamw_reference import adam_step_scalars, adam_step_scalars_tensor
 from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer, FP8Blockwise1x128Tensor
+from tutorial_lib.quant.float8 import CurrentScaling
 from tutorial_lib.quant.mxfp8 import MXFP8Quantizer, MXFP8Tensor
 from tutorial_lib.quant.tensor import is_quantized, local_tensor
 
-__all__ = ["ROUTES", "MASTER_ROUTES", "Bucket", "Plan", "fused_block_format", "fused_fp8_format", "route_param"]
+__all__ = ["ROUTES", "MASTER_ROUTES", "Bucket", "Plan", "fused_block_format", "fused_current_scaling",
+           "fused_fp8_format", "route_param"]
 
 ROUTES = ("fp32", "lowp", "lowp_master", "fp8_fused", "requantize")
 MASTER_ROUTES = ("lowp_master", "fp8_fused", "requantize")
+
+
+def _per_tensor_fp8_buffers(local: torch.Tensor) -> bool:
+    """Per-tensor FP8 storage the kernels can address: uint8 codes of the tensor's shape, contiguous, and
+    one fp32 scale_inv; meta ``fmt`` e4m3/e5m2."""
+    layout = getattr(type(local), "quant_layout", None)
+    bufs, meta = local.raw_buffers(), local.meta()
+    if layout is None or layout.block is not None or set(bufs) != {"data", "scale_inv"}:
+        return False
+    data, scale_inv = bufs["data"], bufs["scale_inv"]
+    if data.dtype != torch.uint8 or data.shape != local.shape or not data.is_contiguous():
+        return False
+    return scale_inv.dtype == torch.float32 and scale_inv.numel() == 1 and meta.get("fmt") in ("e4m3", "e5m2")
 
 
 def fused_fp8_format(local: torch.Tensor) -> str | None:
@@ -61,20 +76,33 @@ def fused_fp8_format(local: torch.Tensor) -> str | None:
     quantizer whose scale is known BEFORE the update (``scale`` + ``record_amax``: delayed
     scaling). Current scaling needs the new amax first, so it takes the requantize route.
     """
-    if not is_quantized(local):
+    if not is_quantized(local) or not _per_tensor_fp8_buffers(local):
         return None
-    layout = getattr(type(local), "quant_layout", None)
-    bufs, meta, q = local.raw_buffers(), local.meta(), local.quantizer
-    if layout is None or layout.block is not None or set(bufs) != {"data", "scale_inv"}:
-        return None
-    data, scale_inv = bufs["data"], bufs["scale_inv"]
-    if data.dtype != torch.uint8 or data.shape != local.shape or not data.is_contiguous():
-        return None
-    if scale_inv.dtype != torch.float32 or scale_inv.numel() != 1 or meta.get("fmt") not in ("e4m3", "e5m2"):
-        return None
+    q = local.quantizer
     if q is None or not (hasattr(q, "record_amax") and isinstance(getattr(q, "scale", None), torch.Tensor)):
         return None
-    return meta["fmt"]
+    return local.meta()["fmt"]
+
+
+def fused_current_scaling(local: torch.Tensor) -> tuple | None:
+    """``(fmt, pow2, amax_eps, group)`` if this current-scaled FP8 tensor can be requantized by the fused
+    route (Adam pass with amax, one all-reduce per bucket, one multi-tensor cast:
+    ``tutorial_kernels.adam_current_scaling``), else None. Tensors with equal keys share a bucket.
+
+    The answer must be the same on every rank of the quantizer's group (each bucket issues one
+    collective): it depends on the quantizer and the storage layout, which FSDP2 gives every
+    rank alike -- a rank whose shard is a partial view (the short shard of an uneven split) is
+    fused too; its view is fixed up after the cast (see ``FusedAdam``). A quantizer that lost
+    its group when pickled is routed here as well and refused at the step, with the reason.
+    """
+    if not is_quantized(local) or type(local.quantizer) is not CurrentScaling:
+        return None  # the exact class: a subclass may change the rule the kernel re-implements
+    if not _per_tensor_fp8_buffers(local):
+        return None
+    q = local.quantizer
+    if q.fmt != local.meta()["fmt"]:
+        return None
+    return q.fmt, bool(q.pow2), float(q.amax_eps), q.group
 
 
 def fused_block_format(local: torch.Tensor) -> tuple[str, str] | None:
@@ -156,10 +184,12 @@ class Bucket:
     members: list[int]  # indices into Plan.params
     index: torch.Tensor | None  # CPU int64 members, None when members == all params in order
     tables: AdamTables
-    quantizers: list = field(default_factory=list)  # fp8_fused
+    quantizers: list = field(default_factory=list)  # fp8_fused, and fused current scaling
     pairs: list = field(default_factory=list)  # requantize: (local quantized tensor, master local)
     hyper: torch.Tensor | None = None  # fp32 [2, n] ([3, n] capturable) on the device: this step's scalars
-    fused_format: str | None = None  # requantize route done inside the kernel: "mxfp8" or "fp8_1x128"
+    fused_format: str | None = None  # requantize route done by kernels: "mxfp8", "fp8_1x128", "fp8_current"
+    current: tuple | None = None  # fp8_current: the quantizers' (fmt, pow2, amax_eps, group)
+    views: list = field(default_factory=list)  # fp8_current: (j, local, master) of partial-view shards
     device_index: torch.Tensor | None = None  # capturable: ``index`` on the device
 
 
@@ -179,7 +209,9 @@ class Plan:
 
     def __init__(self, group: dict, init_state: Callable[[torch.Tensor, torch.Tensor, str], dict]):
         """``group`` keys used besides torch's: ``master_weights``, ``block``, ``capturable``
-        (device-side step scalars) and ``fuse_requantize`` (block formats requantized in the kernel)."""
+        (device-side step scalars), ``fuse_requantize`` (block formats and current-scaled FP8 requantized
+        by the kernels) and ``batch_amax_reduce`` (False: current-scaled FP8 is not fused, one all-reduce
+        per parameter)."""
         for key in ("amsgrad", "maximize"):  # e.g. hyper-parameters loaded from a torch.optim.AdamW state
             if group.get(key):
                 raise ValueError(f"FusedAdam does not implement {key}=True (found in a param group)")
@@ -223,10 +255,17 @@ class Plan:
         self.buckets: list[Bucket] = []
         keys: dict[tuple, list[int]] = {}
         fuse = group.get("fuse_requantize", True)
+        fuse_current = fuse and group.get("batch_amax_reduce", True)
+        currents: dict[tuple, tuple] = {}  # bucket key (group by identity) -> (fmt, pow2, amax_eps, group)
         for i, (t, r) in enumerate(zip(locs, routes)):
             block_fmt = fused_block_format(t) if fuse and r == "requantize" else None
-            keys.setdefault((r, t.dtype, fused_fp8_format(t), block_fmt), []).append(i)
-        for (route, dtype, fmt, block_fmt), members in keys.items():
+            current = fused_current_scaling(t) if fuse_current and r == "requantize" else None
+            current_key = None if current is None else (*current[:3], id(current[3]))
+            if current is not None:
+                currents[current_key] = current
+            keys.setdefault((r, t.dtype, fused_fp8_format(t), block_fmt, current_key), []).append(i)
+        for (route, dtype, fmt, block_fmt, current_key), members in keys.items():
+            current = currents.get(current_key)
             w, m, v, outs, invs, quantizers, pairs = [], [], [], None, None, [], []
             for i in members:
                 s, t = states[i], locs[i]
@@ -242,18 +281,26 @@ class Plan:
                 if len({id(q) for q in quantizers}) != len(quantizers):
                     raise ValueError("each FP8 parameter with delayed scaling needs its own quantizer "
                                      "(its amax history); some parameters share one")
+            elif current is not None:  # current scaling: Adam pass with amax, one all-reduce, one cast launch
+                outs = [locs[i].raw_buffers()["data"] for i in members]
+                invs = [locs[i].raw_buffers()["scale_inv"].reshape(()) for i in members]
+                quantizers = [locs[i].quantizer for i in members]
+                fmt = current[0]
             elif block_fmt is not None:  # bytes and block scales written by the kernel, from the new master
                 scale_name = "scale_e8m0" if block_fmt[0] == "mxfp8" else "scale_inv"
                 outs = [locs[i].raw_buffers()["data"] for i in members]
                 invs = [locs[i].raw_buffers()[scale_name] for i in members]
             elif route == "requantize":
                 pairs = [(locs[i], w[j]) for j, i in enumerate(members)]
-            out_kind = block_fmt[0] if block_fmt else {"lowp_master": "lowp", "fp8_fused": "fp8"}.get(route, "none")
+            out_kind = block_fmt[0] if block_fmt else "fp8_current" if current else {
+                "lowp_master": "lowp", "fp8_fused": "fp8"}.get(route, "none")
             tables = build_tables(w, m, v, grad_dtype=dtype, outs=outs, out_kind=out_kind, scale_invs=invs,
                                   fp8_format=fmt, block=block, block_rule=block_fmt[1] if block_fmt else None)
             index = None if members == list(range(len(self.params))) else torch.tensor(members)
             bucket = Bucket(route, members, index, tables, quantizers, pairs,
-                            fused_format=out_kind if block_fmt else None)
+                            fused_format=out_kind if (block_fmt or current) else None, current=current,
+                            views=[(j, locs[i], w[j]) for j, i in enumerate(members)
+                                   if current is not None and locs[i]._view_root is not None])
             if self.capturable and index is not None:
                 bucket.device_index = index.to(self.device)
             self.buckets.append(bucket)

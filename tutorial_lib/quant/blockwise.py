@@ -17,8 +17,9 @@ weights use 128x128 tiles (so the same scale serves a weight and its transpose):
 value; with ``pow2_scales=True`` it is rounded *up* to a power of two (no saturation, and
 multiplying by it is exact, at up to one binade less resolution).
 
-On CUDA, 1x128 blocks go through the one-pass Triton kernel ``tutorial_kernels.blockwise_quant``
-(bit-identical to the torch code below, which stays the reference: ``backend="torch"``).
+On CUDA, both block shapes go through one-pass Triton kernels, ``tutorial_kernels.blockwise_quant``
+(one launch instead of ~20 torch operations; bit-identical to the torch code below, which stays the
+reference: ``backend="torch"``).
 
 Bad and special input (documented results):
   * dims not multiples of the block -> ValueError naming the block;
@@ -37,7 +38,7 @@ from __future__ import annotations
 import math
 
 import torch
-from tutorial_kernels.blockwise_quant import quantize_1x128
+from tutorial_kernels.blockwise_quant import quantize_1x128, quantize_128x128
 from tutorial_kernels.fp8_args import SUPPORTED_DTYPES
 
 from tutorial_lib.quant.block import (
@@ -87,8 +88,8 @@ def quantize_fp8_blockwise(x: torch.Tensor, block=(1, 128), *, pow2_scales: bool
 
     THE reference shared by tests and lessons; ``block`` is (1, 128) or (128, 128).
     ``backend``: "torch" (the reference below), "triton" (``tutorial_kernels.blockwise_quant``: one
-    pass, bit-identical codes and scales; 1x128 blocks of fp32/bf16/fp16, any strides), or "auto"
-    (Triton for 1x128 blocks of such a CUDA tensor, the torch reference otherwise).
+    pass, bit-identical codes and scales; fp32/bf16/fp16, any strides), or "auto" (Triton for such a
+    CUDA tensor, the torch reference otherwise).
     """
     dims = _check_block(block)
     if backend not in _BACKENDS:
@@ -96,13 +97,17 @@ def quantize_fp8_blockwise(x: torch.Tensor, block=(1, 128), *, pow2_scales: bool
     if not x.is_floating_point():
         raise TypeError(f"FP8 blockwise quantizes floating-point tensors, got {x.dtype}")
     check_block_shape(x.shape, dims, what="FP8 blockwise")
-    if backend == "triton" and (dims != (128,) or x.dtype not in SUPPORTED_DTYPES):
-        raise ValueError(f"the Triton blockwise kernel quantizes 1x128 blocks of {SUPPORTED_DTYPES}, "
-                         f"got block {block} and {x.dtype}; use backend='torch'")
-    if backend == "triton" or (backend == "auto" and x.is_cuda and dims == (128,) and x.dtype in SUPPORTED_DTYPES):
+    if backend == "triton" and x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"the Triton blockwise kernels quantize {SUPPORTED_DTYPES}, got {x.dtype}; use "
+                         "backend='torch'")
+    if backend == "triton" or (backend == "auto" and x.is_cuda and x.dtype in SUPPORTED_DTYPES):
+        # 1x128 or 128x128: leading dims flattened into rows (tiles never straddle them: dim -2 % 128 == 0)
         x2 = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # a view when it can be
-        data, scale_inv = quantize_1x128(x2, pow2_scales=pow2_scales)
-        return data.view(x.shape), scale_inv.view(*x.shape[:-1], x.shape[-1] // 128)
+        kernel = quantize_1x128 if dims == (128,) else quantize_128x128
+        data, scale_inv = kernel(x2, pow2_scales=pow2_scales)
+        scale_shape = (*x.shape[:-1], x.shape[-1] // 128) if dims == (128,) else \
+            (*x.shape[:-2], x.shape[-2] // 128, x.shape[-1] // 128)
+        return data.view(x.shape), scale_inv.view(scale_shape)
     xb = to_blocks(x.to(torch.float32), dims)
     amax = block_amax(x, dims)
     nonfinite = ~torch.isfinite(amax)
