@@ -310,7 +310,9 @@ def fsdp2_step_profile(dim: int = 64, hidden: int = 256, n_blocks: int = 2, batc
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
     step_ms = (time.perf_counter() - t0) * 1e3
-    avg = {e.key: e for e in prof.key_averages()}
+    # CPU-side entries only: on CUDA each range is listed twice, also as a GPU-side annotation whose
+    # device time is its span on the timeline (idle gaps included), not the time of its kernels
+    avg = {e.key: e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU}
     phases = {k: avg[k].cpu_time_total / 1e3 for k in ("forward", "backward", "optimizer") if k in avg}
     device = {k: avg[k].device_time_total / 1e3 for k in phases if dev.type == "cuda"}
     collectives = {name: count_events(prof, needle) for name, needle in

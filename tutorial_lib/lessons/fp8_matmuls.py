@@ -292,7 +292,9 @@ def _phases(label: str, step, dev, reps: int) -> StepPhases:
             torch.cuda.synchronize(dev)
     totals = collections.Counter()
     for e in prof.key_averages():
-        us = e.device_time_total if cuda else e.cpu_time_total
+        if e.device_type != torch.autograd.DeviceType.CPU:  # CUDA lists each range again as a GPU-side
+            continue  # annotation timing its span: adding it would count the range's kernels twice
+        us = e.device_time_total if cuda else e.cpu_time_total  # CUDA: the kernels launched inside the range
         if e.key in PROFILE_LABELS:
             totals[e.key.split(".", 1)[1] + "_ms"] += us
         for field, pattern in _FSDP_RANGES.items():

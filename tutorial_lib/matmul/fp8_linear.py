@@ -40,6 +40,14 @@ per element instead of 2 (bf16) or 4) -- for blockwise, x.T's codes, which wgrad
 high-precision x itself (``save_fp8_input=False``), requantized in backward. Current scaling is
 deterministic, so both give the same codes and bit-identical gradients.
 
+Host work. A layer runs on every step, so its Python is lean: operands travel as raw codes + scales
+(no wrapper tensor per GEMM operand), the fprop GEMM -- whose operands come from the caller -- is
+checked against the FP8 rules once per forward (:func:`~tutorial_lib.matmul.scaled_mm.check_fp8_gemm`,
+:func:`~tutorial_lib.matmul.scaled_mm.check_blockwise_codes`), dgrad and wgrad, built here from those
+checked operands, are not re-checked (:func:`~tutorial_lib.matmul.scaled_mm.fp8_mm_codes`,
+:func:`~tutorial_lib.matmul.scaled_mm.blockwise_mm_codes`), and the :data:`PROFILE_LABELS` ranges exist
+only while a ``torch.profiler`` runs. The results are those of the public checked GEMMs, bit for bit.
+
 Example::
 
     from tutorial_lib.matmul.fp8_linear import Fp8Linear, Fp8Recipe, fp8_linear, swap_linears
@@ -51,16 +59,25 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
+import torch.autograd.profiler as autograd_profiler
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from tutorial_kernels.transpose import transpose
 
-from tutorial_lib.matmul.scaled_mm import BACKENDS, FP8LayoutError, blockwise_mm, fp8_mm
-from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer, FP8Blockwise1x128Tensor, FP8Blockwise128x128Tensor
+from tutorial_lib.matmul.scaled_mm import (
+    BACKENDS,
+    FP8LayoutError,
+    blockwise_mm_codes,
+    check_blockwise_codes,
+    check_fp8_gemm,
+    fp8_mm_codes,
+)
+from tutorial_lib.quant.blockwise import FP8Blockwise128x128Tensor, quantize_fp8_blockwise
 from tutorial_lib.quant.float8 import CurrentScaling, Float8Tensor
 from tutorial_lib.quant.tensor import is_quantized
 
@@ -72,9 +89,15 @@ PROFILE_LABELS = ("fp8_linear.quantize", "fp8_linear.transpose", "fp8_linear.fpr
                   "fp8_linear.wgrad")
 """``torch.profiler`` ranges around each phase: casts to FP8, transposed copies of codes, the three GEMMs."""
 
+_NO_RANGE = contextlib.nullcontext()
+
 
 def _phase(name: str):
-    return record_function("fp8_linear." + name)
+    """The profiler range ``fp8_linear.<name>`` while a torch profiler runs, else nothing: a ``record_function``
+    costs two dispatcher calls even when no profiler listens (torch's own flag, as torch's compiler uses it)."""
+    if getattr(autograd_profiler, "_is_profiler_enabled", True):
+        return record_function("fp8_linear." + name)
+    return _NO_RANGE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,11 +126,13 @@ def as_recipe(recipe: Fp8Recipe | str) -> Fp8Recipe:
 
 
 # ----------------------------------------------------------------------------- operand helpers
+# Operands travel as raw (codes, scale_inv) pairs: no wrapper tensor per GEMM operand. The fprop GEMM, whose
+# operands come from the caller (x's shape, the weight), is checked once per forward; dgrad's and wgrad's
+# operands are made here from those checked ones (and the token rule of _check_wgrad_tokens), so they are not
+# re-validated.
 
-
-def _f8(data: torch.Tensor, scale_inv: torch.Tensor, fmt: str, dtype: torch.dtype) -> Float8Tensor:
-    """A Float8Tensor around codes we already hold (any strides: the wrapper reports the codes' strides)."""
-    return Float8Tensor.from_buffers({"data": data, "scale_inv": scale_inv}, {"fmt": fmt}, data.shape, dtype)
+_CASTS = {(fmt, pow2): CurrentScaling(fmt, pow2=pow2) for fmt in ("e4m3", "e5m2") for pow2 in (False, True)}
+"""The stateless current-scaling quantizers of the hybrid recipe, built once (no process group)."""
 
 
 def _transposed(codes: torch.Tensor) -> torch.Tensor:
@@ -117,7 +142,9 @@ def _transposed(codes: torch.Tensor) -> torch.Tensor:
 
 
 def _rows_of(t: torch.Tensor, what: str) -> torch.Tensor:
-    """``t`` as a 2-D [rows, features] matrix (a view of a contiguous tensor)."""
+    """``t`` as a 2-D [rows, features] matrix (a view of a contiguous tensor; a 2-D ``t`` itself)."""
+    if t.dim() == 2:
+        return t
     if t.dim() < 1:
         raise ValueError(f"fp8_linear: {what} must have at least one dim, got a scalar")
     return t.reshape(-1, t.shape[-1])
@@ -134,22 +161,42 @@ def _check_weight(weight: torch.Tensor, recipe: Fp8Recipe) -> None:
         raise TypeError(f"the {recipe.kind!r} FP8 recipe multiplies {want.__name__} weights; this weight is "
                         f"{type(weight).__name__}. Quantize it with the matching format (registry 'fp8' for "
                         f"'hybrid', 'fp8_128x128' for 'blockwise') or use QLinear (dequantize-on-use)")
-    if recipe.kind == "hybrid" and weight.meta()["fmt"] != "e4m3":
+    if recipe.kind == "hybrid" and weight.fmt != "e4m3":
         raise TypeError(f"the hybrid recipe needs an E4M3 weight (dgrad multiplies E5M2 gradients by it, and "
-                        f"E5M2 x E5M2 has no FP8 GEMM); this Float8Tensor is {weight.meta()['fmt']}")
+                        f"E5M2 x E5M2 has no FP8 GEMM); this Float8Tensor is {weight.fmt}")
 
 
-def _hybrid_weight(weight: torch.Tensor, recipe: Fp8Recipe) -> Float8Tensor:
-    """The weight's E4M3 codes + scale: the parameter's own bytes when it is FP8, else a fresh cast."""
+def _codes(t) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 tensor's codes and scales: its buffers ``data`` and ``scale_inv`` (stored as ``_data``/``_scale_inv``)."""
+    return t._data, t._scale_inv
+
+
+def _hybrid_weight(weight: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight's E4M3 codes + scale: the parameter's own bytes when it is FP8, else a fresh cast (in
+    forward, where autograd records nothing, so the parameter needs no ``detach``)."""
     if isinstance(weight, Float8Tensor):
-        return weight
-    return CurrentScaling("e4m3", pow2=recipe.pow2_scales).quantize(weight.detach())
+        return _codes(weight)
+    res = _CASTS["e4m3", recipe.pow2_scales].cast(weight)
+    return res.data, res.scale_inv
 
 
-def _blockwise_weight(weight: torch.Tensor, recipe: Fp8Recipe) -> FP8Blockwise128x128Tensor:
+def _blockwise_weight(weight: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(weight, FP8Blockwise128x128Tensor):
-        return weight
-    return BlockwiseFP8Quantizer((128, 128), pow2_scales=recipe.pow2_scales).quantize(weight.detach())
+        return _codes(weight)
+    return _high_precision(weight, quantize_fp8_blockwise(weight, (128, 128), pow2_scales=recipe.pow2_scales))
+
+
+def _quantize_1x128(t: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 codes and scales of ``t`` in 1x128 blocks (on CUDA the one-pass Triton kernel, strided input read in
+    place)."""
+    return quantize_fp8_blockwise(t, (1, 128), pow2_scales=recipe.pow2_scales)
+
+
+def _high_precision(t: torch.Tensor, codes):
+    """``codes`` of ``t``, refusing a 1-byte float ``t`` as a quantized tensor's nominal dtype is refused."""
+    if t.dtype.itemsize < 2:
+        raise TypeError(f"nominal dtype must be a high-precision float dtype (fp32/bf16/fp16), got {t.dtype}")
+    return codes
 
 
 _WGRAD_TOKEN_MULTIPLE = {"hybrid": 16, "blockwise": 128}
@@ -186,7 +233,7 @@ def _cast(t: torch.Tensor, fmt: str, recipe: Fp8Recipe, guess: ScaleGuess | None
     scale_guess = getattr(guess, role) if (guess is not None and recipe.pow2_scales) else None
     if scale_guess is not None and scale_guess.device != t.device:
         scale_guess = None
-    res = CurrentScaling(fmt, pow2=recipe.pow2_scales).cast(t, scale_guess=scale_guess)
+    res = _CASTS[fmt, recipe.pow2_scales].cast(t, scale_guess=scale_guess)
     if guess is not None and recipe.pow2_scales:
         setattr(guess, role, res.scale)
     return res
@@ -207,48 +254,47 @@ class _Fp8LinearFn(torch.autograd.Function):
             _check_wgrad_tokens(x2.shape[0], recipe)  # fail in forward, not half-way through backward
         ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.has_bias = recipe, x.shape, x.dtype, bias is not None
         ctx.guess = guess
-        ctx.w_shape, ctx.w_dtype = weight.shape, weight.dtype
+        ctx.w_dtype = weight.dtype
         x_codes = (None, None)
         if recipe.kind == "hybrid":
             with _phase("quantize"):
                 xq = _cast(x2, "e4m3", recipe, guess, "x")
-                w8 = _hybrid_weight(weight, recipe)
-            wb = w8.raw_buffers()
+                w_data, w_scale = _hybrid_weight(weight, recipe)
             with _phase("fprop"):
-                y = fp8_mm(_f8(xq.data, xq.scale_inv, "e4m3", x.dtype), _f8(wb["data"].t(), wb["scale_inv"], "e4m3",
-                           weight.dtype), out_dtype=x.dtype, use_fast_accum=recipe.use_fast_accum,
-                           backend=recipe.backend)
+                w_col = w_data.t()  # W [N, K] row-major IS the column-major B = W.T
+                check_fp8_gemm(xq.data, w_col, "e4m3", "e4m3", x.dtype)
+                y = fp8_mm_codes(xq.data, "e4m3", xq.scale_inv, w_col, "e4m3", w_scale, out_dtype=x.dtype,
+                                 use_fast_accum=recipe.use_fast_accum, backend=recipe.backend)
             if want_w and recipe.save_fp8_input:
                 x_codes = (xq.data, xq.scale_inv)
         else:
-            quant_1x128 = BlockwiseFP8Quantizer((1, 128), pow2_scales=recipe.pow2_scales)
             with _phase("quantize"):
-                xq = quant_1x128.quantize(x2)
-                w8 = _blockwise_weight(weight, recipe)
+                xq = _high_precision(x2, _quantize_1x128(x2, recipe))
+                w_data, w_scale = _blockwise_weight(weight, recipe)
             with _phase("fprop"):
-                y = blockwise_mm(xq, w8, out_dtype=x.dtype, use_fast_accum=recipe.use_fast_accum,
-                                 backend=recipe.backend)
+                check_blockwise_codes(*xq, w_data, w_scale, x.dtype, recipe.use_fast_accum)
+                y = blockwise_mm_codes(*xq, w_data, w_scale, w_block=(128, 128), out_dtype=x.dtype,
+                                       use_fast_accum=recipe.use_fast_accum, backend=recipe.backend)
             if want_w and recipe.save_fp8_input:
                 with _phase("quantize"):
-                    x_t = quant_1x128.quantize(x2.t())  # x.T in 1x128 blocks = x in 128x1 blocks: what wgrad reads
-                x_codes = (x_t.raw_buffers()["data"], x_t.raw_buffers()["scale_inv"])
+                    x_codes = _quantize_1x128(x2.t(), recipe)  # x.T in 1x128 blocks = x in 128x1: what wgrad reads
         if bias is not None:
             y = y + bias  # high precision
         # Saved for backward. dgrad needs the weight: the parameter itself when it is FP8 (FSDP2 refills its
         # bytes in place before backward), else the codes cast above. wgrad needs x: its FP8 codes + scale
         # (1 byte/element) or x itself (requantized in backward, to the same codes).
-        w_param = weight if (want_x and w8 is weight) else None
-        w_codes = (w8.raw_buffers()["data"], w8.raw_buffers()["scale_inv"]) if (want_x and w8 is not weight) \
-            else (None, None)
+        fp8_weight = is_quantized(weight)
+        w_param = weight if (want_x and fp8_weight) else None
+        w_codes = (w_data, w_scale) if (want_x and not fp8_weight) else (None, None)
         x_hp = x if (want_w and not recipe.save_fp8_input) else None
         ctx.save_for_backward(w_param, *w_codes, x_hp, *x_codes)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
         w_param, w_data, w_scale, x_hp, x_data, x_scale = ctx.saved_tensors
         if w_param is not None:
-            w_data, w_scale = w_param.raw_buffers()["data"], w_param.raw_buffers()["scale_inv"]
+            w_data, w_scale = _codes(w_param)
         g2 = _rows_of(grad_out, "grad_output")
         if not g2.is_contiguous():
             g2 = g2.contiguous()
@@ -258,7 +304,8 @@ class _Fp8LinearFn(torch.autograd.Function):
         backward = _hybrid_backward if ctx.recipe.kind == "hybrid" else _blockwise_backward
         dx, dw = backward(ctx, g2, w, x)
         db = g2.sum(0) if (ctx.has_bias and want_b) else None
-        dx = None if dx is None else dx.reshape(ctx.x_shape)
+        if dx is not None and len(ctx.x_shape) != 2:
+            dx = dx.reshape(ctx.x_shape)
         return dx, dw, db, None, None, None
 
 
@@ -273,50 +320,43 @@ def _hybrid_backward(ctx, g2, w, x):
         with _phase("transpose"):
             w_t = _transposed(w_data)
         with _phase("dgrad"):
-            dx = fp8_mm(_f8(gq.data, gq.scale_inv, "e5m2", g2.dtype), _f8(w_t.t(), w_scale, "e4m3", ctx.w_dtype),
-                        out_dtype=ctx.x_dtype, backend=recipe.backend)
+            dx = fp8_mm_codes(gq.data, "e5m2", gq.scale_inv, w_t.t(), "e4m3", w_scale, out_dtype=ctx.x_dtype,
+                              backend=recipe.backend)
     if x is not None:  # wgrad: dW = dy.T @ x. A = dy.T row-major (a copy); B = x column-major = (x.T).t() (a copy)
         if isinstance(x, tuple):
             x_data, x_scale = x
         else:
             with _phase("quantize"):
-                xq = CurrentScaling("e4m3", pow2=recipe.pow2_scales).cast(x)  # the same codes the forward made
+                xq = _CASTS["e4m3", recipe.pow2_scales].cast(x)  # the same codes the forward made
             x_data, x_scale = xq.data, xq.scale_inv
         with _phase("transpose"):
             g_t = _transposed(gq.data)
             x_t = _transposed(x_data)
         with _phase("wgrad"):
-            dw = fp8_mm(_f8(g_t, gq.scale_inv, "e5m2", g2.dtype), _f8(x_t.t(), x_scale, "e4m3", ctx.x_dtype),
-                        out_dtype=ctx.w_dtype, backend=recipe.backend)
+            dw = fp8_mm_codes(g_t, "e5m2", gq.scale_inv, x_t.t(), "e4m3", x_scale, out_dtype=ctx.w_dtype,
+                              backend=recipe.backend)
     return dx, dw
 
 
 def _blockwise_backward(ctx, g2, w, x):
     """dgrad (dy in 1x128 blocks x W.T's tiles) and wgrad (dy.T and x.T in 1x128 blocks, along the tokens)."""
     recipe = ctx.recipe
-    quant_1x128 = BlockwiseFP8Quantizer((1, 128), pow2_scales=recipe.pow2_scales)
     dx = dw = None
     if w is not None:  # dgrad: dx [M, K] = dy [M, N] @ W [N, K] = dy @ (W.T [K, N]).T; W.T's tiles are W's, transposed
         w_data, w_scale = w
-        n, k = ctx.w_shape
         with _phase("transpose"):
-            w_t = FP8Blockwise128x128Tensor.from_buffers(
-                {"data": _transposed(w_data), "scale_inv": w_scale.t().contiguous()}, {}, (k, n), ctx.w_dtype)
+            w_t = (_transposed(w_data), w_scale.t().contiguous())
         with _phase("quantize"):
-            gq = quant_1x128.quantize(g2)
+            gq = _quantize_1x128(g2, recipe)
         with _phase("dgrad"):
-            dx = blockwise_mm(gq, w_t, out_dtype=ctx.x_dtype, backend=recipe.backend)
+            dx = blockwise_mm_codes(*gq, *w_t, w_block=(128, 128), out_dtype=ctx.x_dtype, backend=recipe.backend)
     if x is not None:  # wgrad: dW [N, K] = dy.T [N, M] @ x [M, K] = dy.T @ (x.T [K, M]).T, 1x128 blocks along M
         with _phase("quantize"):
-            if isinstance(x, tuple):
-                x_t = FP8Blockwise1x128Tensor.from_buffers({"data": x[0], "scale_inv": x[1]}, {}, x[0].shape,
-                                                           ctx.x_dtype)
-            else:
-                x_t = quant_1x128.quantize(x.t())
-            g_t = quant_1x128.quantize(g2.t())
+            x_t = x if isinstance(x, tuple) else _quantize_1x128(x.t(), recipe)
+            g_t = _quantize_1x128(g2.t(), recipe)
         backend = "auto" if recipe.backend == "triton" else recipe.backend  # the Triton kernel has no 1x128 x 1x128
         with _phase("wgrad"):
-            dw = blockwise_mm(g_t, x_t, out_dtype=ctx.w_dtype, backend=backend)
+            dw = blockwise_mm_codes(*g_t, *x_t, w_block=(1, 128), out_dtype=ctx.w_dtype, backend=backend)
     return dx, dw
 
 
@@ -337,7 +377,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """
     recipe = as_recipe(recipe)
     _check_weight(weight, recipe)
-    if isinstance(x, FP8Blockwise1x128Tensor) or is_quantized(x):
+    if is_quantized(x):
         raise TypeError("fp8_linear quantizes x itself: pass the high-precision activation")
     return _Fp8LinearFn.apply(x, weight, bias, recipe, torch.is_grad_enabled(), guess)
 

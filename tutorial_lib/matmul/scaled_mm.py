@@ -43,6 +43,11 @@ torch, other FP8-capable GPUs -> triton); CPU -> ``"emulated"``. Every call is c
 :data:`GEMM_CALLS` by (scaling, backend), so a caller can tell what ran. On CPU all backends
 agree up to accumulation order (FP8 products are exact in fp32).
 
+:func:`fp8_mm` and :func:`blockwise_mm` check everything on every call. Code that makes its
+operands itself (the FP8 linear layer) checks them once with :func:`check_fp8_gemm` /
+:func:`check_blockwise_codes` and then calls :func:`fp8_mm_codes` / :func:`blockwise_mm_codes`:
+the same GEMMs on raw codes and scales, with no wrapper tensor per operand and no re-validation.
+
 Example::
 
     from tutorial_lib.matmul.scaled_mm import blockwise_mm, fp8_mm, fp8_mm_rowwise, quantize_rowwise
@@ -74,9 +79,9 @@ from tutorial_lib.quant.per_tensor import scale_from_amax
 from tutorial_lib.quant.tensor import QuantizedTensor
 
 __all__ = [
-    "BACKENDS", "GEMM_CALLS", "OUT_DTYPES", "FP8LayoutError", "RowwiseFP8", "blockwise_mm",
-    "blockwise_tensor_cores", "check_fp8_gemm", "emulated_mm", "fp8_mm", "fp8_mm_rowwise", "fp8_tensor_cores",
-    "quantize_rowwise", "resolve_backend",
+    "BACKENDS", "GEMM_CALLS", "OUT_DTYPES", "FP8LayoutError", "RowwiseFP8", "blockwise_mm", "blockwise_mm_codes",
+    "blockwise_tensor_cores", "check_blockwise_codes", "check_fp8_gemm", "emulated_mm", "fp8_mm", "fp8_mm_codes",
+    "fp8_mm_rowwise", "fp8_tensor_cores", "quantize_rowwise", "resolve_backend",
 ]
 
 BACKENDS = ("auto", "torch", "triton", "emulated")
@@ -109,11 +114,31 @@ def blockwise_tensor_cores(device) -> bool:
             and hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"))
 
 
+_RESOLVED: dict = {}
+
+
 def resolve_backend(scaling: str, backend: str, device) -> str:
-    """The backend ``backend`` means for a GEMM of ``scaling`` on ``device`` ("auto" resolved; errors explained)."""
+    """The backend ``backend`` means for a GEMM of ``scaling`` on ``device`` ("auto" resolved; errors explained).
+
+    Answers are cached per (scaling, backend, device): a GPU's capability does not change while a
+    process runs, and asking it every GEMM is host time. The key also holds the capability queries
+    (:func:`fp8_tensor_cores`, :func:`blockwise_tensor_cores`, ``torch.cuda.get_device_capability``),
+    so replacing one (a test simulating another GPU) gets fresh answers; errors are never cached.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    device = torch.device(device)
+    if not isinstance(device, torch.device):
+        device = torch.device(device)
+    key = (scaling, backend, device, fp8_tensor_cores, blockwise_tensor_cores, torch.cuda.get_device_capability)
+    be = _RESOLVED.get(key)
+    if be is None:
+        be = _resolve(scaling, backend, device)
+        if device.type != "cuda" or device.index is not None:  # "cuda" alone means the current GPU: may change
+            _RESOLVED[key] = be
+    return be
+
+
+def _resolve(scaling: str, backend: str, device: torch.device) -> str:
     blockwise = scaling.startswith("1x128")
     if backend == "auto":
         if not blockwise:
@@ -241,12 +266,27 @@ def fp8_mm(a: Float8Tensor, b: Float8Tensor, *, out_dtype: torch.dtype, use_fast
     check_fp8_gemm(ab["data"], bb["data"], a_fmt, b_fmt, out_dtype)
     _check_tensorwise_scale("a", ab["scale_inv"], a.device)
     _check_tensorwise_scale("b", bb["scale_inv"], a.device)
-    be = resolve_backend("tensorwise", backend, a.device)
-    GEMM_CALLS["tensorwise", be] += 1
     sa, sb = ab["scale_inv"].reshape(()), bb["scale_inv"].reshape(())
+    return fp8_mm_codes(ab["data"], a_fmt, sa, bb["data"], b_fmt, sb, out_dtype=out_dtype,
+                        use_fast_accum=use_fast_accum, backend=backend)
+
+
+def fp8_mm_codes(a_data: torch.Tensor, a_fmt: str, a_scale_inv: torch.Tensor, b_data: torch.Tensor, b_fmt: str,
+                 b_scale_inv: torch.Tensor, *, out_dtype: torch.dtype, use_fast_accum: bool = False,
+                 backend: str = "auto") -> torch.Tensor:
+    """:func:`fp8_mm` on raw codes that already satisfy its rules (:func:`check_fp8_gemm`), with 0-d fp32
+    scales on the codes' device: no wrapper tensors, no re-validation of the layouts (only ``out_dtype``).
+
+    The fast path of code that makes its operands itself and checks them once
+    (:class:`~tutorial_lib.matmul.fp8_linear.Fp8Linear`); anything else should call :func:`fp8_mm`.
+    """
+    if out_dtype not in OUT_DTYPES:
+        _fail("output dtype", f"out_dtype={out_dtype}", f"use one of {list(OUT_DTYPES)}")
+    be = resolve_backend("tensorwise", backend, a_data.device)
+    GEMM_CALLS["tensorwise", be] += 1
     if be == "torch":
-        return _scaled_torch(ab["data"], a_fmt, bb["data"], b_fmt, sa, sb, out_dtype, use_fast_accum)
-    return _scaled_emulated(ab["data"], a_fmt, bb["data"], b_fmt, sa, sb, out_dtype)
+        return _scaled_torch(a_data, a_fmt, b_data, b_fmt, a_scale_inv, b_scale_inv, out_dtype, use_fast_accum)
+    return _scaled_emulated(a_data, a_fmt, b_data, b_fmt, a_scale_inv, b_scale_inv, out_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,27 +337,34 @@ def fp8_mm_rowwise(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: torc
 # ----------------------------------------------------------------------------- blockwise
 
 
-def _check_blockwise(a, w, out_dtype, use_fast_accum: bool) -> str:
+def _check_blockwise(a, w, out_dtype, use_fast_accum: bool) -> None:
     if not isinstance(a, FP8Blockwise1x128Tensor):
         raise TypeError(f"blockwise_mm: a must be an FP8Blockwise1x128Tensor (1x128 activation blocks), got "
                         f"{type(a).__name__}")
     if not isinstance(w, (FP8Blockwise128x128Tensor, FP8Blockwise1x128Tensor)):
         raise TypeError(f"blockwise_mm: w must be an FP8Blockwise128x128Tensor (weight tiles) or an "
                         f"FP8Blockwise1x128Tensor, got {type(w).__name__}")
-    for name, t in (("a", a), ("w", w)):
-        if t.dim() != 2:
-            _fail("2-D operands", f"{name} has shape {list(t.shape)}", "flatten the leading dims first")
-        data, scale = t.raw_buffers()["data"], t.raw_buffers()["scale_inv"]
+    ab, wb = a.raw_buffers(), w.raw_buffers()
+    check_blockwise_codes(ab["data"], ab["scale_inv"], wb["data"], wb["scale_inv"], out_dtype, use_fast_accum)
+
+
+def check_blockwise_codes(a_data: torch.Tensor, a_scale_inv: torch.Tensor, w_data: torch.Tensor,
+                          w_scale_inv: torch.Tensor, out_dtype: torch.dtype, use_fast_accum: bool = False) -> None:
+    """Raise :class:`FP8LayoutError` unless the buffers of ``a`` (1x128 blocks) and ``w`` (either block shape) make
+    a valid blockwise GEMM ``a @ w.T`` (the rules of :func:`blockwise_mm`, checked on its raw buffers)."""
+    for name, data, scale in (("a", a_data, a_scale_inv), ("w", w_data, w_scale_inv)):
+        if data.dim() != 2:
+            _fail("2-D operands", f"{name} has shape {list(data.shape)}", "flatten the leading dims first")
         if not (data.is_contiguous() and scale.is_contiguous()):
             _fail("row-major blockwise operands",
                   f"{name}'s codes/scales have strides {data.stride()}/{scale.stride()}",
                   f"quantize a row-major {name} (a transposed blockwise tensor needs its codes and scales "
                   "transposed: .t().contiguous() of both buffers, exact for 128x128 tiles only)")
-    (m, k), (n, k2) = a.shape, w.shape
+    (m, k), (n, k2) = a_data.shape, w_data.shape
     if k != k2:
         _fail("shapes", f"a is [{m}, {k}] and w is [{n}, {k2}]", "blockwise_mm computes a @ w.T: w is [N, K]")
-    if a.device != w.device:
-        _fail("one device", f"a on {a.device}, w on {w.device}", "move both to one device")
+    if a_data.device != w_data.device:
+        _fail("one device", f"a on {a_data.device}, w on {w_data.device}", "move both to one device")
     if n % 16:
         _fail("K and N multiples of 16", f"N={n}", "pad N to a multiple of 16 (K is a multiple of 128 already)")
     if m % 4:
@@ -328,7 +375,6 @@ def _check_blockwise(a, w, out_dtype, use_fast_accum: bool) -> str:
               "use_fast_accum=False: block scaling promotes every 128-wide partial sum to fp32 anyway")
     if out_dtype not in OUT_DTYPES:
         _fail("output dtype", f"out_dtype={out_dtype}", f"use one of {list(OUT_DTYPES)}")
-    return "1x128x128x128" if isinstance(w, FP8Blockwise128x128Tensor) else "1x128x1x128"
 
 
 def _blockwise_emulated(a_data, a_scale, w_data, w_scale, w_rows_per_scale: int, out_dtype) -> torch.Tensor:
@@ -376,18 +422,29 @@ def blockwise_mm(a: FP8Blockwise1x128Tensor, w, *, out_dtype: torch.dtype = torc
     Backends: "torch" (cuBLASLt, sm_90), "triton" (``tutorial_kernels.fp8_gemm``, 1x128 x 128x128 only),
     "emulated" (the CPU path, an emulation); "auto" picks in that order.
     """
-    scaling = _check_blockwise(a, w, out_dtype, use_fast_accum)
-    be = resolve_backend(scaling, backend, a.device)
-    GEMM_CALLS[scaling, be] += 1
+    _check_blockwise(a, w, out_dtype, use_fast_accum)
     ab, wb = a.raw_buffers(), w.raw_buffers()
+    return blockwise_mm_codes(ab["data"], ab["scale_inv"], wb["data"], wb["scale_inv"], w_block=w.block,
+                              out_dtype=out_dtype, use_fast_accum=use_fast_accum, backend=backend)
+
+
+def blockwise_mm_codes(a_data: torch.Tensor, a_scale_inv: torch.Tensor, w_data: torch.Tensor,
+                       w_scale_inv: torch.Tensor, *, w_block: tuple[int, int], out_dtype: torch.dtype,
+                       use_fast_accum: bool = False, backend: str = "auto") -> torch.Tensor:
+    """:func:`blockwise_mm` on the raw buffers of ``a`` (1x128 blocks) and ``w`` (``w_block``: (128, 128) or
+    (1, 128)) that already satisfy its rules (:func:`check_blockwise_codes`): no wrappers, no re-validation
+    (only ``out_dtype``). The fast path of :class:`~tutorial_lib.matmul.fp8_linear.Fp8Linear`."""
+    if out_dtype not in OUT_DTYPES:
+        _fail("output dtype", f"out_dtype={out_dtype}", f"use one of {list(OUT_DTYPES)}")
+    scaling = "1x128x128x128" if tuple(w_block) == (_BLOCK, _BLOCK) else "1x128x1x128"
+    be = resolve_backend(scaling, backend, a_data.device)
+    GEMM_CALLS[scaling, be] += 1
     if be == "torch":
-        return _blockwise_torch(ab["data"], ab["scale_inv"], wb["data"], wb["scale_inv"], scaling, out_dtype,
-                                use_fast_accum)
+        return _blockwise_torch(a_data, a_scale_inv, w_data, w_scale_inv, scaling, out_dtype, use_fast_accum)
     if be == "triton":
-        return fp8_gemm_kernels.blockwise_fp8_gemm(ab["data"], ab["scale_inv"], wb["data"], wb["scale_inv"],
-                                                   out_dtype=out_dtype)
+        return fp8_gemm_kernels.blockwise_fp8_gemm(a_data, a_scale_inv, w_data, w_scale_inv, out_dtype=out_dtype)
     rows_per_scale = _BLOCK if scaling == "1x128x128x128" else 1
-    return _blockwise_emulated(ab["data"], ab["scale_inv"], wb["data"], wb["scale_inv"], rows_per_scale, out_dtype)
+    return _blockwise_emulated(a_data, a_scale_inv, w_data, w_scale_inv, rows_per_scale, out_dtype)
 
 
 # ----------------------------------------------------------------------------- any other format: emulation
