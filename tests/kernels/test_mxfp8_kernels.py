@@ -98,3 +98,22 @@ def test_compiled_kernel_is_byte_exact_on_a_large_tensor(rounding):
     assert torch.equal(data, ref[0]) and torch.equal(scale, ref[1])
     assert _same_values(mxfp8_dequantize(data, scale, torch.bfloat16).float(),
                         dequantize_mxfp8(*ref, dtype=torch.bfloat16).float())
+
+
+def test_tensor_dequantize_uses_the_kernel_exactly_on_cuda(monkeypatch):
+    """MXFP8Tensor.dequantize (what a dequantize-on-use layer calls at every use) is one launch on CUDA."""
+    import tutorial_lib.quant.mxfp8 as mx
+
+    calls = []
+
+    def spy(*args, **kw):
+        calls.append(args[2] if len(args) > 2 else kw.get("dtype"))
+        return mxfp8_dequantize(*args, **kw)
+
+    monkeypatch.setattr(mx, "mxfp8_dequantize", spy)
+    w = mx.MXFP8Quantizer().quantize(_awkward((8, 64), torch.float32, seed=33).to(DEV))
+    data, scale = w.raw_buffers()["data"], w.raw_buffers()["scale_e8m0"]
+    for dtype in (torch.bfloat16, torch.float32):
+        assert _same_values(w.dequantize(dtype).float(), dequantize_mxfp8(data, scale, dtype=dtype).float())
+    w.dequantize(torch.float16)  # not a kernel dtype: the reference
+    assert calls == ([torch.bfloat16, torch.float32] if DEV == "cuda" else [])

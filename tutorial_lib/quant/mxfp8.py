@@ -31,7 +31,7 @@ Example::
 from __future__ import annotations
 
 import torch
-from tutorial_kernels.mxfp8_quant import MX_BLOCK, SCALE_ROUNDINGS, mxfp8_quantize
+from tutorial_kernels.mxfp8_quant import MX_BLOCK, SCALE_ROUNDINGS, mxfp8_dequantize, mxfp8_quantize
 
 from tutorial_lib.quant.block import (
     E4M3_NAN_CODE,
@@ -139,8 +139,16 @@ class MXFP8Tensor(BlockScaledTensor):
     _layout_prefix, _element, _scale_desc = "mxfp8", "e4m3", "e8m0 (power of two) per {block} block"
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Plain tensor ``e4m3(data) * 2**(scale - 127)`` in ``dtype`` (default: the nominal dtype)."""
-        return dequantize_mxfp8(self._data, self._scale_e8m0, dtype=dtype or self.dtype)
+        """Plain tensor ``e4m3(data) * 2**(scale - 127)`` in ``dtype`` (default: the nominal dtype).
+
+        On CUDA (fp32/bf16 out, contiguous buffers) one Triton launch (``tutorial_kernels.mxfp8_quant``)
+        instead of the reference's ~10 operations: what a dequantize-on-use layer pays at every use."""
+        dtype = dtype or self.dtype
+        data, scale = self._data, self._scale_e8m0
+        if data.is_cuda and dtype in (torch.float32, torch.bfloat16) and data.is_contiguous() \
+                and scale.is_contiguous():
+            return mxfp8_dequantize(data, scale, dtype)
+        return dequantize_mxfp8(data, scale, dtype=dtype)
 
     def _quantize_buffers(self, hp: torch.Tensor) -> dict:
         q = self.quantizer if isinstance(self.quantizer, MXFP8Quantizer) else MXFP8Quantizer()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from tutorial_kernels.nvfp4_dequantize import NVFP4_DEQUANTIZE_DTYPES, nvfp4_dequantize
 
 from tutorial_lib.quant.block import (
     E4M3_MAX,
@@ -163,9 +164,15 @@ class NVFP4Tensor(BlockScaledTensor):
                              f"{list(g.shape)}")
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Plain tensor ``e2m1 * (e4m3(scale) * global_scale_inv)`` in ``dtype`` (default: nominal)."""
-        return dequantize_nvfp4(self._data, self._scale_e4m3, self._global_scale_inv, self.block,
-                                dtype=dtype or self.dtype)
+        """Plain tensor ``e2m1 * (e4m3(scale) * global_scale_inv)`` in ``dtype`` (default: nominal).
+
+        On CUDA (fp32/bf16 out, contiguous buffers) one Triton launch (``tutorial_kernels.nvfp4_dequantize``)
+        instead of the reference's dozen operations: what a dequantize-on-use layer pays at every use."""
+        dtype = dtype or self.dtype
+        data, scale = self._data, self._scale_e4m3
+        if data.is_cuda and dtype in NVFP4_DEQUANTIZE_DTYPES and data.is_contiguous() and scale.is_contiguous():
+            return nvfp4_dequantize(data, scale, self._global_scale_inv, self.block, dtype=dtype)
+        return dequantize_nvfp4(data, scale, self._global_scale_inv, self.block, dtype=dtype)
 
     def _quantize_buffers(self, hp: torch.Tensor) -> dict:
         """Fresh block scales under the CURRENT global scale (shared with every other piece)."""
