@@ -19,7 +19,7 @@ import torch
 from tutorial_lib.harness.notebooks import REPO_ROOT
 
 SCRIPTS = sorted(p.name for p in (REPO_ROOT / "benchmarks").glob("bench_*.py"))
-TWO_RANKS = {"bench_adam_fsdp2.py", "bench_fsdp2_allgather.py"}
+TWO_RANKS = {"bench_adam_fsdp2.py", "bench_fsdp2_allgather.py", "bench_fp8_fsdp2_step.py"}
 CASE_KEYS = {"name", "ours_ms", "peers", "bytes", "fraction_of_copy"}
 
 

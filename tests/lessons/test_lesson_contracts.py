@@ -29,6 +29,7 @@ RANK_FUNCTIONS = {
     "fused_adam_fsdp2": ["fsdp2_fused_vs_torch", "fsdp2_dcp_roundtrip", "quantized_dtensor_step", "dtensor_overhead"],
     "fused_adam_pitfalls": ["unwrap_pitfall", "raw_pointer_route", "loss_went_down", "master_seeding_drift"],
     "fp8_matmuls": ["train_compare_fp8", "step_breakdown"],
+    "fp8_step_benchmark": ["fsdp2_step_benchmark"],
     "dcp_pitfalls": ["checkpoint_run", "load_unsharded", "reshard_load_run"],
     "dcp_formats": ["format_matrix_run"],
     "benchmarks": ["amax_reduce_compare", "fsdp2_step_profile", "collective_cost"],
