@@ -26,13 +26,12 @@ Goals (speed = 1 / step time, ratio to bf16 in the same run): hybrid >= 1.35x, b
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 
 import torch
 
 from tutorial_lib.dist.launcher import launch
-from tutorial_lib.harness.bench import case, copy_bandwidth_GBps, write_results
+from tutorial_lib.harness.bench import case, copy_bandwidth_GBps, mlp_benchmark_parser, write_results
 from tutorial_lib.lessons.fp8_step_benchmark import STEP_VARIANTS, Fsdp2StepBenchmarkResult, fsdp2_step_benchmark
 
 GOALS = {"hybrid": 1.35, "blockwise": 1.2}
@@ -50,13 +49,7 @@ def peer_name(v) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/)")
-    parser.add_argument("--quick", action="store_true", help="2 CPU ranks, tiny model, results to a temp dir")
-    parser.add_argument("--dim", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=16384)
-    parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank per step")
+    parser = mlp_benchmark_parser(__doc__)
     parser.add_argument("--reps", type=int, default=10, help="timed steps per variant")
     parser.add_argument("--profile-steps", type=int, default=3, help="profiled steps per variant")
     parser.add_argument("--variants", default=",".join(STEP_VARIANTS), help="comma-separated, from " +

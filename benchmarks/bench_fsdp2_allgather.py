@@ -23,14 +23,13 @@ its rep count per rank from a timing estimate, and ranks issuing different numbe
 
 from __future__ import annotations
 
-import argparse
 import math
 import tempfile
 
 import torch
 
 from tutorial_lib.dist.launcher import launch
-from tutorial_lib.harness.bench import case, copy_bandwidth_GBps, write_results
+from tutorial_lib.harness.bench import case, copy_bandwidth_GBps, mlp_benchmark_parser, write_results
 from tutorial_lib.lessons.fsdp2_quantized_init import AllGatherBenchmarkResult, allgather_benchmark
 
 
@@ -44,13 +43,7 @@ def expected_bytes(weights: list, world_size: int, fp8: bool) -> int:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/)")
-    parser.add_argument("--quick", action="store_true", help="2 CPU ranks, tiny model, results to a temp dir")
-    parser.add_argument("--dim", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=16384)
-    parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank per step")
+    parser = mlp_benchmark_parser(__doc__)
     parser.add_argument("--reps", type=int, default=10)
     args = parser.parse_args(argv)
     if args.quick:

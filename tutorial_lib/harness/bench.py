@@ -33,6 +33,7 @@ import datetime
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -42,6 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 # the README table lives in its own module; re-exported here (``python -m tutorial_lib.harness.bench``)
 from tutorial_lib.harness.bench_report import README_END, README_START, results_markdown, update_readme  # noqa: F401
@@ -175,6 +177,47 @@ def benchmark_args(doc: str, argv=None, *, temp_prefix: str) -> tuple[argparse.N
     device = benchmark_device(args.quick)
     out = args.out or (tempfile.mkdtemp(prefix=temp_prefix) if args.quick else "benchmarks/results")
     return args, device, out
+
+
+def mlp_benchmark_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments every FSDP2 ``BlockMLP`` benchmark takes: ``--out``, ``--quick`` (2 CPU ranks, a tiny model,
+    a temp dir), the model (``--dim``, ``--hidden``, ``--blocks``; default the 1.07B-parameter MLP of 8 blocks
+    4096 -> 16384 -> 4096) and ``--tokens`` per rank; the script adds its own and parses."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results/)")
+    parser.add_argument("--quick", action="store_true", help="2 CPU ranks, tiny model, results to a temp dir")
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=16384)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=8192, help="tokens per rank per step")
+    return parser
+
+
+def profiled_range_ms(step: Callable[[], object], device: torch.device, steps: int,
+                      ranges: dict[str, re.Pattern]) -> dict[str, float]:
+    """Run ``step()`` ``steps`` times under ``torch.profiler``; per step, the ms spent inside the ranges
+    (``record_function`` names) matching each pattern, summed per key of ``ranges``.
+
+    CUDA: the device time of the kernels each range launched. The profiler lists every range twice
+    there -- also as a GPU-side annotation whose "device time" is the range's span on the timeline, idle
+    gaps included -- and only the CPU-side entry is counted (adding both would count the kernels
+    twice). CPU: the host time inside the ranges."""
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    totals = dict.fromkeys(ranges, 0.0)
+    for e in prof.key_averages():
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        us = e.device_time_total if cuda else e.cpu_time_total
+        for key, pattern in ranges.items():
+            if pattern.match(e.key):
+                totals[key] += us
+    return {k: v / 1e3 / steps for k, v in totals.items()}
 
 
 def split_sizes(total: int, count: int) -> list[int]:

@@ -38,11 +38,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 from tutorial_lib.dist import quantized_init as qi
 from tutorial_lib.dist.mesh import world_mesh
-from tutorial_lib.harness.bench import median_ms_all_ranks
+from tutorial_lib.harness.bench import median_ms_all_ranks, profiled_range_ms
 from tutorial_lib.matmul.fp8_linear import PROFILE_LABELS
 from tutorial_lib.matmul.scaled_mm import GEMM_CALLS
 from tutorial_lib.models import BlockMLP, counter_uniform, local_rows
@@ -53,8 +52,8 @@ from tutorial_lib.quant.registry import recipe as make_recipe
 from tutorial_lib.quant.tensor import QuantizedTensor, is_quantized, local_tensor
 
 __all__ = [
-    "WEIGHT_FORMATS", "DequantizeCount", "Fp8TrainCompareResult", "GemmCount", "ShardCompare", "StepBreakdownResult",
-    "StepPhases", "count_dequantizes", "default_shapes", "step_breakdown", "train_compare_fp8",
+    "PHASE_RANGES", "WEIGHT_FORMATS", "DequantizeCount", "Fp8TrainCompareResult", "GemmCount", "ShardCompare",
+    "StepBreakdownResult", "StepPhases", "count_dequantizes", "default_shapes", "step_breakdown", "train_compare_fp8",
 ]
 
 WEIGHT_FORMATS = {"hybrid": "fp8", "blockwise": "fp8_128x128"}
@@ -276,34 +275,17 @@ def train_compare_fp8(recipe: str = "hybrid", *, dim: int | None = None, hidden:
 
 # ----------------------------------------------------------------------------- step breakdown
 
-_FSDP_RANGES = {"all_gather_ms": re.compile(r"^FSDP::all_gather( |$)"),
+PHASE_RANGES = {**{label.split(".", 1)[1] + "_ms": re.compile(rf"^{re.escape(label)}$") for label in PROFILE_LABELS},
+                "all_gather_ms": re.compile(r"^FSDP::all_gather( |$)"),
                 "reduce_scatter_ms": re.compile(r"^FSDP::post_backward_reduce( |$)")}
+"""``StepPhases`` field -> the ``torch.profiler`` range names it sums: the FP8 linear's own, and FSDP2's."""
 
 
 def _phases(label: str, step, dev, reps: int) -> StepPhases:
     """Median step time, then one profiled step per rep: each range's time, per step."""
     step_ms = median_ms_all_ranks(step, dev, reps)
-    cuda = dev.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        for _ in range(reps):
-            step()
-        if cuda:
-            torch.cuda.synchronize(dev)
-    totals = collections.Counter()
-    for e in prof.key_averages():
-        if e.device_type != torch.autograd.DeviceType.CPU:  # CUDA lists each range again as a GPU-side
-            continue  # annotation timing its span: adding it would count the range's kernels twice
-        us = e.device_time_total if cuda else e.cpu_time_total  # CUDA: the kernels launched inside the range
-        if e.key in PROFILE_LABELS:
-            totals[e.key.split(".", 1)[1] + "_ms"] += us
-        for field, pattern in _FSDP_RANGES.items():
-            if pattern.match(e.key):
-                totals[field] += us
-    per_step = {k: v / 1e3 / reps for k, v in totals.items()}
-    fields = ("quantize_ms", "transpose_ms", "fprop_ms", "dgrad_ms", "wgrad_ms", "all_gather_ms", "reduce_scatter_ms")
-    return StepPhases(label=label, step_ms=step_ms, time_source="cuda" if cuda else "cpu",
-                      **{f: per_step.get(f, 0.0) for f in fields})
+    per_step = profiled_range_ms(step, dev, reps, PHASE_RANGES)
+    return StepPhases(label=label, step_ms=step_ms, time_source="cuda" if dev.type == "cuda" else "cpu", **per_step)
 
 
 def step_breakdown(recipe: str = "hybrid", *, dim: int | None = None, hidden: int | None = None,

@@ -50,7 +50,6 @@ Example::
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import gc
 import importlib
@@ -59,14 +58,12 @@ import re
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import record_function
 
 from tutorial_lib.dist import quantized_init as qi
 from tutorial_lib.dist.mesh import world_mesh
-from tutorial_lib.harness.bench import median_ms_all_ranks
-from tutorial_lib.lessons.fp8_matmuls import WEIGHT_FORMATS
-from tutorial_lib.matmul.fp8_linear import PROFILE_LABELS
+from tutorial_lib.harness.bench import median_ms_all_ranks, profiled_range_ms
+from tutorial_lib.lessons.fp8_matmuls import PHASE_RANGES, WEIGHT_FORMATS
 from tutorial_lib.models import BlockMLP, counter_uniform
 from tutorial_lib.optim.fused_adam import FusedAdam
 from tutorial_lib.quant.registry import recipe as make_recipe
@@ -83,9 +80,7 @@ TORCHAO_VARIANTS = {"torchao_tensorwise": False, "torchao_tensorwise_fp8_gather"
 OPTIMIZER_RANGE = "fsdp2_step.optimizer"
 """``torch.profiler`` range around ``opt.step()`` + ``opt.zero_grad()`` (+ torchao's scale precompute)."""
 
-_RANGES = {"all_gather_ms": re.compile(r"^FSDP::all_gather( |$)"),
-           "reduce_scatter_ms": re.compile(r"^FSDP::post_backward_reduce( |$)"),
-           "optimizer_ms": re.compile(rf"^{re.escape(OPTIMIZER_RANGE)}$")}
+_RANGES = {**PHASE_RANGES, "optimizer_ms": re.compile(rf"^{re.escape(OPTIMIZER_RANGE)}$")}
 
 
 # ----------------------------------------------------------------------------- result types
@@ -181,27 +176,9 @@ def _weight_bytes(p: torch.Tensor) -> torch.Tensor:
 
 def _profile_phases(step, dev, steps: int) -> TrainStepPhases:
     """Run ``steps`` steps under ``torch.profiler``; each range's time per step (see the module docstring)."""
-    cuda = dev.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     dist.barrier()
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        if cuda:
-            torch.cuda.synchronize(dev)
-    totals = collections.Counter()
-    for e in prof.key_averages():
-        if e.device_type != DeviceType.CPU:  # CUDA: a range is also listed as a GPU-side annotation (its span)
-            continue
-        us = e.device_time_total if cuda else e.cpu_time_total  # CUDA: the kernels launched inside the range
-        if e.key in PROFILE_LABELS:
-            totals[e.key.split(".", 1)[1] + "_ms"] += us
-        for field, pattern in _RANGES.items():
-            if pattern.match(e.key):
-                totals[field] += us
-    fields = [f.name for f in dataclasses.fields(TrainStepPhases) if f.name != "time_source"]
-    return TrainStepPhases(time_source="cuda" if cuda else "cpu",
-                           **{f: totals.get(f, 0.0) / 1e3 / steps for f in fields})
+    per_step = profiled_range_ms(step, dev, steps, _RANGES)
+    return TrainStepPhases(time_source="cuda" if dev.type == "cuda" else "cpu", **per_step)
 
 
 def _build(name: str, dim: int, hidden: int, n_blocks: int, mesh, dev, lr: float, ao):
