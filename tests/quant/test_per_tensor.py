@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tutorial_lib.quant.float8 import CurrentScaling, DelayedScaling, Float8Tensor
+from tutorial_lib.quant.float8 import CurrentScaling, DelayedScaling, Float8Tensor, record_amaxes
 from tutorial_lib.quant.formats import FORMATS, decode, encode
 from tutorial_lib.quant.per_tensor import (
     amax,
@@ -228,6 +228,43 @@ def test_delayed_scaling_spike_saturates_then_keeps_scale_on_non_finite_and_zero
     only_zero = DelayedScaling("e4m3", history_len=1)
     only_zero.cast(torch.zeros(3))
     assert only_zero.scale.item() == 1.0  # zero amax: the scale stays, not 448 / eps
+
+
+def test_record_amaxes_equals_one_push_at_a_time():
+    """The batched push (what FusedAdam does after writing delayed-scaling FP8 weights) leaves every
+    history, scale and step count exactly as pushing one quantizer at a time: mixed configurations
+    (history, algo, margin, pow2, format), NaN / inf / zero / subnormal amaxes, subsets of quantizers,
+    another quantizer class and a quantizer listed twice (both pushed in order)."""
+
+    class MyDelayed(DelayedScaling):
+        pass
+
+    def zoo():
+        qs = [DelayedScaling("e4m3", history_len=4) for _ in range(3)]
+        qs += [DelayedScaling("e4m3", history_len=4, algo="most_recent", margin=2) for _ in range(2)]
+        qs += [DelayedScaling("e5m2", history_len=3, pow2=True) for _ in range(2)]
+        qs += [DelayedScaling("e4m3", history_len=2), MyDelayed("e4m3", history_len=4)]
+        return qs
+
+    batched, single = zoo(), zoo()
+    g = torch.Generator().manual_seed(5)
+    special = torch.tensor([float("nan"), float("inf"), 0.0, 1e-41, 448.0 * 2**20])
+    for step in range(7):
+        amaxes = torch.rand(len(batched), generator=g) * 10.0 ** torch.randint(-6, 6, (len(batched),), generator=g)
+        if step in (2, 4):
+            amaxes[torch.randperm(len(batched), generator=g)[:5]] = special
+        pick = list(range(len(batched))) if step % 3 else [0, 2, 3, 5, 8]  # some steps: a subset (no grads)
+        record_amaxes([batched[j] for j in pick], amaxes[pick])
+        for j in pick:
+            single[j].record_amax(amaxes[j])
+        for a, b in zip(batched, single):
+            assert torch.equal(a.amax_history.view(torch.int32), b.amax_history.view(torch.int32)), (step, a)
+            assert torch.equal(a.scale.view(torch.int32), b.scale.view(torch.int32)), (step, a)
+            assert a.steps == b.steps
+    assert len({float(q.scale) for q in batched}) > 3, "the scales moved (not a vacuous comparison)"
+    twice = DelayedScaling("e4m3", history_len=3)
+    record_amaxes([twice, twice], torch.tensor([2.0, 3.0]))
+    assert twice.amax_history.tolist() == [3.0, 2.0, 0.0] and twice.steps == 2
 
 
 def test_delayed_scaling_validation():

@@ -67,7 +67,7 @@ from tutorial_lib.quant.tensor import Layout, QuantizedTensor
 
 aten = torch.ops.aten
 
-__all__ = ["FP8_DTYPES", "CurrentScaling", "DelayedScaling", "Float8Tensor"]
+__all__ = ["FP8_DTYPES", "CurrentScaling", "DelayedScaling", "Float8Tensor", "record_amaxes"]
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 """Meta ``fmt`` -> the torch dtype whose bit pattern the uint8 codes hold."""
@@ -417,6 +417,42 @@ class DelayedScaling(_PerTensorQuantizer):
     def quantize_into(self, dst, x: torch.Tensor) -> None:
         bufs = self._check_dst(dst, x)
         self._write(bufs, self.cast(x, out=self._out(bufs, x)))
+
+
+def record_amaxes(quantizers: list, amaxes: torch.Tensor) -> None:
+    """``quantizers[j].record_amax(amaxes[j])`` for every j -- what an optimizer does after writing many
+    delayed-scaling FP8 parameters -- with ``DelayedScaling`` quantizers of one configuration batched.
+
+    One at a time, each push costs ~15 small operations (roll, insert, max, the scale rule), a launch
+    each on a GPU: thousands per step on a model with hundreds of FP8 weights. Batched, their histories
+    are stacked into one ``[n, history_len]`` tensor, rolled, filled and reduced at once, the scale rule
+    runs on the vector, and one multi-tensor copy writes every history and scale back IN PLACE (the
+    quantizers keep their own tensors). The results equal the one-at-a-time pushes exactly
+    (``tests/quant/test_float8.py``); other quantizers (any other class, or one listed twice) push
+    one at a time."""
+    groups: dict[tuple, list[int]] = {}
+    for j, q in enumerate(quantizers):
+        if type(q) is DelayedScaling:
+            groups.setdefault((q.fmt, q.history_len, q.algo, q.margin, q.pow2, q.amax_eps), []).append(j)
+        else:
+            q.record_amax(amaxes[j])
+    for (fmt, _, algo, margin, pow2, amax_eps), js in groups.items():
+        qs = [quantizers[j] for j in js]
+        if len(js) == 1 or len({id(q) for q in qs}) != len(qs):  # alone, or pushed twice: in order
+            for j in js:
+                quantizers[j].record_amax(amaxes[j])
+            continue
+        for q in qs:
+            q._to(amaxes.device)
+        hist = torch.roll(torch.stack([q.amax_history for q in qs]), 1, dims=1)
+        hist[:, 0] = amaxes[torch.tensor(js, device=amaxes.device)] if len(js) != len(amaxes) else amaxes
+        h = hist[:, 0] if algo == "most_recent" else hist.amax(dim=1)
+        new = scale_from_amax(h, fmt, pow2=pow2, amax_eps=amax_eps, margin=margin)
+        scales = torch.where(torch.isfinite(h) & (h > 0), new, torch.stack([q.scale for q in qs]))
+        torch._foreach_copy_([q.amax_history for q in qs] + [q.scale for q in qs],
+                             list(hist.unbind(0)) + list(scales.unbind(0)))
+        for q in qs:
+            q.steps += 1
 
 
 add_safe_global(CurrentScaling)  # quantized tensors pickle their quantizer (torch.load(weights_only=True))
