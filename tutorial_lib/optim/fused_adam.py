@@ -362,7 +362,9 @@ class FusedAdam(torch.optim.Optimizer):
         for q in b.quantizers:
             if getattr(q, "group_dropped", False):
                 raise RuntimeError(f"{q!r} lost its process group when it was pickled; call set_group(group)")
-        scales = torch.stack([q.scale.to(device, torch.float32).reshape(()) for q in b.quantizers])
+        scales = torch.stack([q.scale if (q.scale.dim() == 0 and q.scale.dtype == torch.float32 and q.scale.device ==
+                                          device) else q.scale.to(device, torch.float32).reshape(())
+                              for q in b.quantizers])  # as they are when they are 0-d fp32 on the device already
         launch_adamw(b.tables, hyper, scales=scales, **kw)
         amax = b.tables.amax
         groups: dict[int, list[int]] = {}
