@@ -428,7 +428,7 @@ def record_amaxes(quantizers: list, amaxes: torch.Tensor) -> None:
     are stacked into one ``[n, history_len]`` tensor, rolled, filled and reduced at once, the scale rule
     runs on the vector, and one multi-tensor copy writes every history and scale back IN PLACE (the
     quantizers keep their own tensors). The results equal the one-at-a-time pushes exactly
-    (``tests/quant/test_float8.py``); other quantizers (any other class, or one listed twice) push
+    (``tests/quant/test_per_tensor.py``); other quantizers (any other class, or one listed twice) push
     one at a time."""
     groups: dict[tuple, list[int]] = {}
     for j, q in enumerate(quantizers):
