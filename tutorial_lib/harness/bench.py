@@ -47,6 +47,7 @@ from torch.profiler import ProfilerActivity, profile
 
 # the README table lives in its own module; re-exported here (``python -m tutorial_lib.harness.bench``)
 from tutorial_lib.harness.bench_report import README_END, README_START, results_markdown, update_readme  # noqa: F401
+from tutorial_lib.harness.kernel_ranges import kernel_time_by_range
 
 
 def bench_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 20) -> float:
@@ -198,10 +199,10 @@ def profiled_range_ms(step: Callable[[], object], device: torch.device, steps: i
     """Run ``step()`` ``steps`` times under ``torch.profiler``; per step, the ms spent inside the ranges
     (``record_function`` names) matching each pattern, summed per key of ``ranges``.
 
-    CUDA: the device time of the kernels each range launched. The profiler lists every range twice
-    there -- also as a GPU-side annotation whose "device time" is the range's span on the timeline, idle
-    gaps included -- and only the CPU-side entry is counted (adding both would count the kernels
-    twice). CPU: the host time inside the ranges."""
+    CUDA: the device time of the kernels launched inside the ranges, Triton's included
+    (:func:`~tutorial_lib.harness.kernel_ranges.kernel_time_by_range`: torch's own ``device_time_total``
+    leaves out kernels not launched by a torch operator). CPU: the host time inside the ranges (the
+    CPU-side entries; on CUDA the profiler also lists each range as a GPU-side annotation)."""
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
@@ -209,14 +210,16 @@ def profiled_range_ms(step: Callable[[], object], device: torch.device, steps: i
             step()
         if cuda:
             torch.cuda.synchronize(device)
-    totals = dict.fromkeys(ranges, 0.0)
-    for e in prof.key_averages():
-        if e.device_type != torch.autograd.DeviceType.CPU:
-            continue
-        us = e.device_time_total if cuda else e.cpu_time_total
-        for key, pattern in ranges.items():
-            if pattern.match(e.key):
-                totals[key] += us
+    if cuda:
+        totals = kernel_time_by_range(prof.events(), ranges).device_us
+    else:
+        totals = dict.fromkeys(ranges, 0.0)
+        for e in prof.key_averages():
+            if e.device_type != torch.autograd.DeviceType.CPU:
+                continue
+            for key, pattern in ranges.items():
+                if pattern.match(e.key):
+                    totals[key] += e.cpu_time_total
     return {k: v / 1e3 / steps for k, v in totals.items()}
 
 

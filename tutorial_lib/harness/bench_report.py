@@ -86,6 +86,8 @@ def results_markdown(results_dir: str | Path) -> str:
             if isinstance(c.get("tflops"), (int, float)):  # a GEMM: compute-bound, so throughput, not bandwidth
                 tfl = [rc["tflops"] for rc in history if isinstance(rc.get("tflops"), (int, float))]
                 frac_s = f"{c['tflops']:.0f}" + _range(tfl, "{:.0f}") + " TFLOPS"
+            if c.get("kind") == "host":  # host time per call: neither bandwidth nor throughput
+                frac_s = "host time"
             ours_s = f"{c['ours_ms']:.3f}" + _range(ours_all, "{:.3f}")
             lines.append(f"| {stem} | {_case_label(c)} | {ours_s} | {peer} | {ratio} | {frac_s} | {len(history)} "
                          f"| {where} |")

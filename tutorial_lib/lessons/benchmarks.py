@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.dist.quantized_init import build_sharded_plain
 from tutorial_lib.harness.bench import alternating_case, copy_bandwidth_GBps, median_ms_all_ranks, turn_order
+from tutorial_lib.harness.kernel_ranges import kernel_time_by_range
 from tutorial_lib.models import BlockMLP
 from tutorial_lib.optim.adamw_reference import adam_bytes_per_element
 from tutorial_lib.optim.fused_adam import FusedAdam
@@ -76,6 +78,7 @@ class RecordedCase:
     copy_GBps: float  # the run's copy ceiling
     bytes: int  # the minimum bytes the operation moves (the numerator of fraction_of_copy)
     mnk: tuple[int, int, int] | None  # GEMMs that record their shape: (M, N, K)
+    kind: str = "device"  # "host": host time per call (benchmarks/bench_host_overhead.py), no bytes or FLOPs
 
 
 def recorded_cases(results_dir: str | Path) -> list[RecordedCase]:
@@ -92,7 +95,8 @@ def recorded_cases(results_dir: str | Path) -> list[RecordedCase]:
                 ours_ms=float(c["ours_ms"]), ours_range_ms=tuple(rng) if rng else None, peers_ms=peers,
                 fraction_of_copy=float(frac), peer_fractions={k: frac * c["ours_ms"] / v for k, v in peers.items()},
                 tflops=c.get("tflops"), peers_tflops=dict(c.get("peers_tflops") or {}), copy_GBps=doc["copy_GBps"],
-                bytes=int(c["bytes"]), mnk=(c["M"], c["N"], c["K"]) if all(k in c for k in "MNK") else None))
+                bytes=int(c["bytes"]), mnk=(c["M"], c["N"], c["K"]) if all(k in c for k in "MNK") else None,
+                kind=c.get("kind", "device")))
     return sorted(rows, key=lambda r: r.date)
 
 
@@ -314,7 +318,12 @@ def fsdp2_step_profile(dim: int = 64, hidden: int = 256, n_blocks: int = 2, batc
     # device time is its span on the timeline (idle gaps included), not the time of its kernels
     avg = {e.key: e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU}
     phases = {k: avg[k].cpu_time_total / 1e3 for k in ("forward", "backward", "optimizer") if k in avg}
-    device = {k: avg[k].device_time_total / 1e3 for k in phases if dev.type == "cuda"}
+    # device time: every kernel launched while a phase was open, FusedAdam's Triton kernels included (torch's
+    # device_time_total counts only kernels of torch operators); backward launches on autograd's thread
+    device = {}
+    if dev.type == "cuda":
+        us = kernel_time_by_range(prof.events(), {k: re.compile(rf"^{k}$") for k in phases}, same_thread=False)
+        device = {k: v / 1e3 for k, v in us.device_us.items()}
     collectives = {name: count_events(prof, needle) for name, needle in
                    (("all_gather", "c10d::_allgather_base_"), ("reduce_scatter", "c10d::_reduce_scatter_base_"),
                     ("all_reduce", "c10d::allreduce_"))}

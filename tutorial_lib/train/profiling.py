@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 import time
 import traceback
 import warnings
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from tutorial_lib.harness.kernel_ranges import kernel_time_by_range
 from tutorial_lib.train.data import TextData
 from tutorial_lib.train.loop import STEP_PHASES, TrainConfig, build_model_and_optimizer, train_mesh, train_step
 
@@ -143,14 +145,11 @@ def profile_training(cfg: TrainConfig, warmup: int = 3, steps: int = 3, row_limi
         start = min(r.start for rs in ranges.values() for r in rs)
         end = max([r.end for rs in ranges.values() for r in rs] + [b for _, b in kernels])
         busy = busy_fraction(kernels, start, end)
-        # a kernel belongs to the phase the host was in when it launched it (backward runs on autograd's
-        # thread, so nesting under the train.backward range would miss its kernels; the time window does not)
-        for e in events:
-            if e.device_type == DeviceType.CPU and e.kernels:
-                t = e.time_range.start
-                phase = next((n for n, rs in ranges.items() if any(r.start <= t <= r.end for r in rs)), None)
-                if phase is not None:
-                    device_us[phase] += sum(k.duration for k in e.kernels)
+        # a kernel belongs to the phase the host was in when it launched it, Triton's included (their
+        # launches belong to no torch operator); backward runs on autograd's thread, so a kernel is matched to
+        # the train.backward range by the time window alone (the phases never overlap)
+        patterns = {name: re.compile(rf"^{re.escape(name)}$") for name in STEP_PHASES}
+        device_us = kernel_time_by_range(events, patterns, same_thread=False).device_us
     averages = prof.key_averages()
     phases = {name: (sum(r.elapsed_us() for r in ranges[name]) / 1e3 / steps, device_us[name] / 1e3 / steps)
               for name in STEP_PHASES}
