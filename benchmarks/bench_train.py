@@ -65,12 +65,13 @@ def main(argv=None) -> None:
                         eval_every=steps, log_every=max(1, steps // 6), eval_windows=64, device=device,
                         progress=False, deterministic=False) for f in formats]
     if a.profile:
-        profiles = launch(profile_runs, world_size=ws, device=device, args=(cfgs, 3, a.profile), timeout=3000)[0]
+        profiles = launch(profile_runs, world_size=ws, device=device, args=(cfgs, 3, a.profile), timeout=3000,
+                          deterministic=False)[0]
         for prof in profiles:
             print(format_profile(prof), flush=True)
         if a.no_timing:
             return
-    sweep = launch(train_runs, world_size=ws, device=device, args=(cfgs, True), timeout=3000)[0]
+    sweep = launch(train_runs, world_size=ws, device=device, args=(cfgs, True), timeout=3000, deterministic=False)[0]
     model = TransformerConfig.preset(size)
     emb = (model.vocab + model.seq_len) * model.dim
     tokens = ws * batch * model.seq_len

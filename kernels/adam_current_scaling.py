@@ -16,7 +16,7 @@ and collectives a step, each costing host time. Launch 2 reads 4 bytes and write
 (the Adam pass moves 26-28), and reuses the Adam launch's tables: ``weight`` row = the fp32
 masters, ``out`` row = the FP8 bytes, ``scale_inv`` row, and the grad row, so tensors that got no
 gradient this step (grad address 0) keep their bytes and scale, as the Adam kernel keeps their
-master. Scale and bytes follow ``tutorial_kernels.fp8_cast`` (the same ``_scale_from_amax`` and
+master. Scale and bytes follow ``tutorial_kernels.fp8_cast`` (the same ``scale_from_amax`` and
 ``encode_fp8``), so they equal ``CurrentScaling(fmt, pow2, amax_eps).quantize(master)`` with that
 amax, byte for byte (``tests/kernels/test_adam_current_scaling.py``); an empty tensor (a rank's
 empty FSDP2 shard) still gets the shared scale_inv, from its one chunk.
@@ -37,7 +37,7 @@ import triton.language as tl
 from tutorial_kernels import interpreted
 from tutorial_kernels.adam_tables import ROW_GRAD, ROW_NUMEL, ROW_OUT, ROW_SCALE_INV, ROW_WEIGHT, AdamTables
 from tutorial_kernels.fp8_args import check_amax_eps
-from tutorial_kernels.fp8_cast import _scale_from_amax
+from tutorial_kernels.fp8_cast import scale_from_amax
 from tutorial_kernels.fp8_round import encode_fp8
 
 __all__ = ["launch_current_scaling_cast"]
@@ -55,7 +55,7 @@ def _current_scaling_cast_kernel(chunks_ptr, C, table_ptr, T, amax_ptr, amax_eps
         n = tl.load(table_ptr + _R_NUMEL * T + t)
         chunk = tl.load(chunks_ptr + C + c)
         start = chunk.to(tl.int64) * BLOCK
-        scale = _scale_from_amax(tl.load(amax_ptr + t), amax_eps, FMT, POW2)
+        scale = scale_from_amax(tl.load(amax_ptr + t), amax_eps, FMT, POW2)
         if chunk == 0:  # one program per tensor stores the scale_inv that goes with the bytes
             inv_ptr = tl.load(table_ptr + _R_SCALE_INV * T + t).to(tl.pointer_type(tl.float32))
             tl.store(inv_ptr, tl.div_rn(1.0, scale))

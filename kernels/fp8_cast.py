@@ -51,7 +51,8 @@ from tutorial_kernels import interpreted
 from tutorial_kernels.fp8_args import CastResult, check_amax_eps, check_dequantize_args, check_input, check_scale_arg
 from tutorial_kernels.fp8_round import decode_fp8, encode_fp8, to_bf16, widen_to_fp32
 
-__all__ = ["amax", "cast_current_scaling", "cast_delayed_scaling", "dequantize_per_tensor", "default_block"]
+__all__ = ["amax", "cast_current_scaling", "cast_delayed_scaling", "dequantize_per_tensor", "default_block",
+           "scale_from_amax"]
 
 
 def default_block() -> tuple[int, int]:
@@ -94,8 +95,9 @@ def _store(ptr, base, idx, value, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _scale_from_amax(amax, amax_eps, FMT: tl.constexpr, POW2: tl.constexpr):
-    """Mirror of tutorial_lib.quant.per_tensor.scale_from_amax (margin 0): fp32 scalar, NaN if amax is not finite."""
+def scale_from_amax(amax, amax_eps, FMT: tl.constexpr, POW2: tl.constexpr):
+    """Mirror of tutorial_lib.quant.per_tensor.scale_from_amax (margin 0): fp32 scalar, NaN if amax is not finite.
+    A device function: every kernel that derives a current-scaling scale calls this one."""
     if FMT == "e4m3":
         fmax = 448.0
     else:
@@ -118,7 +120,7 @@ def _amax_kernel(x_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr):
 def _cast_kernel(x_ptr, out_ptr, amax_ptr, scale_ptr, scale_inv_ptr, n, amax_eps,
                  FMT: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr):
     """Second pass of current scaling: every program derives the scale from the finished amax."""
-    scale = _scale_from_amax(tl.load(amax_ptr), amax_eps, FMT, POW2)
+    scale = scale_from_amax(tl.load(amax_ptr), amax_eps, FMT, POW2)
     pid = tl.program_id(0)
     if pid == 0:
         tl.store(scale_ptr, scale)
@@ -147,7 +149,7 @@ def _cast_scaled_kernel(x_ptr, out_ptr, scale_ptr, scale_inv_ptr, amax_bits_ptr,
 def _recast_kernel(x_ptr, out_ptr, amax_ptr, guess_ptr, scale_ptr, scale_inv_ptr, n, amax_eps,
                    FMT: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr):
     """Speculative second step: nothing to do unless the true scale differs from the guess."""
-    scale = _scale_from_amax(tl.load(amax_ptr), amax_eps, FMT, POW2)
+    scale = scale_from_amax(tl.load(amax_ptr), amax_eps, FMT, POW2)
     pid = tl.program_id(0)
     if pid == 0:
         tl.store(scale_ptr, scale)

@@ -69,3 +69,8 @@ def fail_while_others_wait(bad_rank: int, stamp_path: str, seconds: float = 600.
             fh.write(repr(time.time()))
         raise RuntimeError(f"rank {bad_rank} failed in a collective phase")
     time.sleep(seconds)
+
+
+def cublas_workspace_config() -> str | None:
+    """This rank's ``CUBLAS_WORKSPACE_CONFIG`` (the launcher sets it in deterministic CUDA ranks)."""
+    return os.environ.get("CUBLAS_WORKSPACE_CONFIG")

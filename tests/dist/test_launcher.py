@@ -199,6 +199,20 @@ def test_cpu_ranks_share_the_cores(monkeypatch):
     assert [r.threads for r in out] == [max(1, (os.cpu_count() or 1) // 2)] * 2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the launcher sets cuBLAS's workspace config in CUDA ranks")
+def test_cuda_ranks_are_deterministic_unless_asked_not_to_be(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert launch(rf.cublas_workspace_config, world_size=1, device="cuda", echo=False) == [":4096:8"]
+    assert launch(rf.cublas_workspace_config, world_size=1, device="cuda", echo=False, deterministic=False) == [None]
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the caller's own setting wins either way
+    assert launch(rf.cublas_workspace_config, world_size=1, device="cuda", echo=False) == [":16:8"]
+
+
+def test_cpu_ranks_leave_the_cublas_config_alone(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert launch(rf.cublas_workspace_config, world_size=1, device="cpu", echo=False) == [None]
+
+
 def test_a_torch_without_master_listen_fd_gets_a_working_store_and_a_clear_warning(monkeypatch):
     real, refused = launcher.dist.TCPStore, []
 

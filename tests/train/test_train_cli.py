@@ -15,6 +15,7 @@ import time
 import psutil
 import pytest
 
+from tutorial_lib.train.cli import parse_args
 from tutorial_lib.train.metrics import read_metrics
 
 pytestmark = pytest.mark.distributed
@@ -114,3 +115,10 @@ def test_clear_errors(tmp_path):
     # 128x128 weight tiles: the tiny model's 128-row weights cannot be split over 2 ranks in whole tiles
     r = _run(_torchrun(2, tmp_path / "y", "--format", "fp8_128x128"))
     assert r.returncode != 0 and "a shard boundary would cut through a block" in r.stderr + r.stdout, r.stderr[-3000:]
+
+
+def test_determinism_is_the_default_and_can_be_turned_off():
+    cfg, _ = parse_args(["--out", "runs/x"])
+    assert cfg.deterministic  # bit-exact resume on GPUs
+    cfg, _ = parse_args(["--out", "runs/x", "--nondeterministic"])
+    assert not cfg.deterministic

@@ -52,7 +52,11 @@ Design choices, each for a reason ``tests/dist/test_launcher.py`` exercises:
   ranks that hang outside collectives.
 * **CUDA ranks get ``CUBLAS_WORKSPACE_CONFIG=:4096:8``** unless it is set: without it cuBLAS is
   not run-to-run deterministic when FSDP2 issues work from several streams, and lessons 06 and 10
-  compare runs bit for bit (:func:`tutorial_lib.dist.runtime.deterministic_cuda`).
+  compare runs bit for bit (:func:`tutorial_lib.dist.runtime.deterministic_cuda`). It has a price:
+  with it every cuBLAS call (``torch.mm``, ``torch._scaled_mm``) spends more host time, enough to make
+  a step of many small FP8 GEMMs host-bound (``benchmarks/bench_host_overhead.py`` measures it). A
+  benchmark, which compares speeds and not bits, passes ``deterministic=False``: the ranks then get
+  the caller's environment unchanged.
 * **Workers leave with ``os._exit``** after their result is on disk: gloo's native threads
   otherwise abort about 5% of jobs at interpreter shutdown.
 """
@@ -149,6 +153,7 @@ def _rank_main(
     fn: Callable,
     args: tuple,
     kwargs: dict,
+    deterministic: bool = True,
 ) -> None:
     """Body of one spawned rank. Every exit path ends in ``os._exit``."""
     global _RANK_DEVICE
@@ -171,8 +176,8 @@ def _rank_main(
             GLOO_SOCKET_IFNAME=_loopback_interface(), NCCL_SOCKET_IFNAME=_loopback_interface(),
         )
         if device_type == "cuda":
-            # before any cuBLAS call: deterministic across streams, so lessons can compare runs bit for bit
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+            if deterministic:  # before any cuBLAS call: deterministic across streams (lessons compare bits)
+                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
             torch.cuda.set_device(rank)
             _RANK_DEVICE = torch.device("cuda", rank)
         else:
@@ -318,6 +323,7 @@ def launch(
     timeout: float = 300.0,
     collective_timeout: float = 60.0,
     echo: bool = True,
+    deterministic: bool = True,
 ) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
 
@@ -331,6 +337,8 @@ def launch(
         timeout: seconds until the whole launch is abandoned and every rank killed.
         collective_timeout: process-group timeout; a collective that waits longer fails.
         echo: re-print the ranks' output as ``[rank r] ...``.
+        deterministic: CUDA ranks get ``CUBLAS_WORKSPACE_CONFIG`` (bit-exact cuBLAS across streams; more
+            host time per cuBLAS call). ``False`` for speed measurements: the caller's environment as is.
 
     Raises:
         RankFailed: a rank raised (message holds its traceback) or died (its signal).
@@ -353,7 +361,7 @@ def launch(
         )
     for attempt in range(1 + _RENDEZVOUS_RETRIES):
         try:
-            return _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout, echo)
+            return _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout, echo, deterministic)
         except _RendezvousFailed as exc:
             if attempt == _RENDEZVOUS_RETRIES:
                 raise exc.error from None
@@ -403,7 +411,7 @@ def _rank_environment(dev: torch.device):
             os.environ["TRITON_INTERPRET"] = before
 
 
-def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout, echo) -> list:
+def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout, echo, deterministic=True) -> list:
     """One attempt: spawn, supervise, collect; see the module docstring for the protocol."""
     tmp = tempfile.mkdtemp(prefix="tutorial-launch-")  # mode 0700: the ranks' results and logs are private
     try:
@@ -418,7 +426,7 @@ def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout,
         with _rank_environment(dev):
             context = mp.start_processes(
                 _rank_main,
-                args=(world_size, dev.type, store.port, tmp, collective_timeout, fn, args, kwargs),
+                args=(world_size, dev.type, store.port, tmp, collective_timeout, fn, args, kwargs, deterministic),
                 nprocs=world_size, join=False, start_method="spawn",
             )
         deadline = time.monotonic() + timeout

@@ -63,6 +63,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, float]:
     p.add_argument("--eval-every", type=int, default=50, help="validation loss every N steps (default 50)")
     p.add_argument("--log-every", type=int, default=10, help="metrics record every N steps (default 10)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--nondeterministic", action="store_true",
+                   help="CUDA: do not force deterministic cuBLAS/torch kernels (less host time per GEMM, so faster "
+                        "where the host sets the pace; a resumed run then matches the uninterrupted one only "
+                        "approximately)")
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds (default 600)")
     a = p.parse_args(argv)
     if a.format not in FORMATS:
@@ -73,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, float]:
         cfg = TrainConfig(fmt=a.format, steps=a.steps, size=a.size, seq_len=a.seq_len, batch_size=a.batch_size,
                           micro_batches=a.micro_batches, lr=a.lr, warmup=a.warmup, seed=a.seed, data_seed=a.data_seed,
                           device=a.device, out=a.out, ckpt_every=a.ckpt_every, resume=a.resume,
-                          eval_every=a.eval_every, log_every=a.log_every, progress=not a.no_progress)
+                          eval_every=a.eval_every, log_every=a.log_every, progress=not a.no_progress,
+                          deterministic=not a.nondeterministic)
     except ValueError as exc:
         p.error(str(exc))
     return cfg, a.timeout

@@ -92,7 +92,7 @@ class TrainConfig:
     log_every: int = 10  # metrics record every N steps
     progress: bool = True  # tqdm progress bar on rank 0
     crash_after: int | None = None  # raise SimulatedCrash after this step (0-based count of steps done)
-    deterministic: bool = True  # CUDA: deterministic cuBLAS / torch kernels (bit-exact resume)
+    deterministic: bool = True  # CUDA: deterministic cuBLAS / torch kernels (bit-exact resume; more host time per GEMM)
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
