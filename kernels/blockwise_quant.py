@@ -35,6 +35,18 @@ Example::
     data, scale_inv = quantize_1x128(x_bf16)                  # uint8 [M, K], fp32 [M, K/128]
     data_t, scale_inv_t = quantize_1x128(x_bf16.t(), pow2_scales=True)   # x.T's blocks, no copy of x
     w_data, w_scale_inv = quantize_128x128(w_fp32)            # uint8 [N, K], fp32 [N/128, K/128]
+    (d, s), (d_t, s_t) = quantize_1x128_with_transpose(x_bf16)   # x AND x.T in 1x128 blocks, x read once
+
+An FP8 linear layer needs each activation and each output gradient twice, in 1x128 blocks along its rows
+(fprop: x; dgrad: dy) and along its columns (wgrad contracts over the tokens: x.T, dy.T).
+:func:`quantize_1x128_with_transpose` makes both from one read of a [128, 128] tile: the row blocks are
+the tile's rows, the column blocks its columns, stored transposed (``tl.trans``, both sides coalesced)::
+
+      tile [128, 128] of x --+--> amax per row    --> data   [M, K] uint8, scale_inv   [M, K/128]
+                             +--> amax per column --> data_t [K, M] uint8, scale_inv_t [K, M/128]  (x.T's blocks)
+
+2 B (bf16) read + 2 B written per element, where two 1x128 quantizes read x twice (4 B + 2 B); each
+result is bit-identical to :func:`quantize_1x128` of ``x`` and of ``x.t()``.
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ from tutorial_kernels import interpreted
 from tutorial_kernels.fp8_args import SUPPORTED_DTYPES
 from tutorial_kernels.fp8_round import encode_fp8, widen_to_fp32
 
-__all__ = ["BLOCK_1X128", "quantize_128x128", "quantize_1x128"]
+__all__ = ["BLOCK_1X128", "quantize_128x128", "quantize_1x128", "quantize_1x128_with_transpose"]
 
 BLOCK_1X128 = 128
 """Elements per fp32 scale along the last dim (DeepSeek-V3's activation/gradient blocks)."""
@@ -71,6 +83,21 @@ def _scale_inv_from_amax(amax_bits, POW2: tl.constexpr):
 
 
 @triton.jit
+def _quantize_block_rows(x, POW2: tl.constexpr):
+    """E4M3 codes and fp32 scale_inv of each ROW of the fp32 tile ``x`` as one block: the 1x128 rule."""
+    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # NaN-propagating amax
+    nonfinite = amax_bits >= 0x7F800000
+    s = _scale_inv_from_amax(amax_bits, POW2)
+    if POW2:
+        y = x * tl.div_rn(1.0, s)[:, None]  # exact reciprocal of a power of two: same fp32 as x / s
+    else:
+        y = tl.div_rn(x, s[:, None])  # the reference's per-element IEEE division
+    q = tl.where(nonfinite[:, None], 0x7F, encode_fp8(y, "e4m3")).to(tl.uint8)  # 0x7F: E4M3's NaN byte
+    s_bits = tl.where(nonfinite, 0x7FC00000, s.to(tl.int32, bitcast=True))  # float("nan") as torch stores it
+    return q, s_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _quantize_1x128_kernel(x_ptr, data_ptr, scale_ptr, M, K, stride_m, stride_k, size_bucket, col_major,
                            ROWS: tl.constexpr, POW2: tl.constexpr):
     n_kb = K // 128
@@ -81,18 +108,9 @@ def _quantize_1x128_kernel(x_ptr, data_ptr, scale_ptr, M, K, stride_m, stride_k,
     cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
     row_ok = rows < M
     x = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :] * stride_k, mask=row_ok[:, None], other=0.0)
-    x = widen_to_fp32(x)
-    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # NaN-propagating amax
-    nonfinite = amax_bits >= 0x7F800000
-    s = _scale_inv_from_amax(amax_bits, POW2)
-    if POW2:
-        y = x * tl.div_rn(1.0, s)[:, None]  # exact reciprocal of a power of two: same fp32 as x / s
-    else:
-        y = tl.div_rn(x, s[:, None])  # the reference's per-element IEEE division
-    q = tl.where(nonfinite[:, None], 0x7F, encode_fp8(y, "e4m3")).to(tl.uint8)  # 0x7F: E4M3's NaN byte
-    s_bits = tl.where(nonfinite, 0x7FC00000, s.to(tl.int32, bitcast=True))  # float("nan") as torch stores it
+    q, s = _quantize_block_rows(widen_to_fp32(x), POW2)  # masked rows are zeros: scale 1, not stored
     tl.store(data_ptr + rows[:, None] * K + cols[None, :], q, mask=row_ok[:, None])
-    tl.store(scale_ptr + rows * n_kb + pid_k, s_bits.to(tl.float32, bitcast=True), mask=row_ok)
+    tl.store(scale_ptr + rows * n_kb + pid_k, s, mask=row_ok)
 
 
 @triton.jit
@@ -116,6 +134,26 @@ def _quantize_128x128_kernel(x_ptr, data_ptr, scale_ptr, M, K, stride_m, stride_
     s_bits = tl.where(nonfinite, 0x7FC00000, s.to(tl.int32, bitcast=True))
     tl.store(data_ptr + rows[:, None] * K + cols[None, :], q)
     tl.store(scale_ptr + pid_m * n_kb + pid_k, s_bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _quantize_1x128_with_transpose_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, stride_m,
+                                          stride_k, POW2: tl.constexpr):
+    """One [128, 128] tile per program: its rows are x's 1x128 blocks, its columns x.T's (M, K multiples of 128)."""
+    n_kb = K // 128
+    n_mb = M // 128
+    pid = tl.program_id(0)
+    pid_m = pid // n_kb
+    pid_k = pid - pid_m * n_kb
+    rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
+    cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
+    x = widen_to_fp32(tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :] * stride_k))
+    q, s = _quantize_block_rows(x, POW2)  # x's blocks: the tile's rows
+    tl.store(data_ptr + rows[:, None] * K + cols[None, :], q)
+    tl.store(scale_ptr + rows * n_kb + pid_k, s)
+    q_t, s_t = _quantize_block_rows(tl.trans(x), POW2)  # x.T's blocks: the tile's columns, as rows of x.T
+    tl.store(data_t_ptr + cols[:, None] * M + rows[None, :], q_t)
+    tl.store(scale_t_ptr + cols * n_mb + pid_m, s_t)
 
 
 _CONFIGS = [triton.Config({"ROWS": r}, num_warps=w) for r in (8, 16, 32, 64, 128) for w in (2, 4, 8)]
@@ -191,3 +229,27 @@ def quantize_128x128(x: torch.Tensor, *, pow2_scales: bool = False,
         _quantize_128x128_kernel[((m // BLOCK_1X128) * (k // BLOCK_1X128),)](
             x, data, scale_inv, m, k, x.stride(0), x.stride(1), POW2=bool(pow2_scales), num_warps=num_warps)
     return data, scale_inv
+
+
+def quantize_1x128_with_transpose(x: torch.Tensor, *, pow2_scales: bool = False, num_warps: int = 8
+                                  ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """``(quantize_1x128(x), quantize_1x128(x.t()))`` in ONE pass over ``x`` (fp32/bf16/fp16, 2-D, any strides).
+
+    Returns ``((data [M, K], scale_inv [M, K/128]), (data_t [K, M], scale_inv_t [K, M/128]))``, all contiguous,
+    bit-identical to the two separate quantizes (and so to the torch reference). Both M and K must be
+    multiples of 128 (the tile holds whole blocks in both directions): ValueError otherwise.
+    """
+    _check(x, "quantize_1x128_with_transpose")
+    m, k = x.shape
+    if m % BLOCK_1X128:
+        raise ValueError(f"rows {m} of shape {tuple(x.shape)} are not a multiple of {BLOCK_1X128}: x.T's 1x128 "
+                         "blocks run along them. Pad the rows, or quantize x and x.t() separately (quantize_1x128)")
+    data = torch.empty((m, k), dtype=torch.uint8, device=x.device)
+    scale_inv = torch.empty((m, k // BLOCK_1X128), dtype=torch.float32, device=x.device)
+    data_t = torch.empty((k, m), dtype=torch.uint8, device=x.device)
+    scale_inv_t = torch.empty((k, m // BLOCK_1X128), dtype=torch.float32, device=x.device)
+    if m and k:
+        _quantize_1x128_with_transpose_kernel[((m // BLOCK_1X128) * (k // BLOCK_1X128),)](
+            x, data, scale_inv, data_t, scale_inv_t, m, k, x.stride(0), x.stride(1), POW2=bool(pow2_scales),
+            num_warps=num_warps)
+    return (data, scale_inv), (data_t, scale_inv_t)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tutorial_kernels.blockwise_quant import quantize_1x128, quantize_128x128
+from tutorial_kernels.blockwise_quant import quantize_1x128, quantize_1x128_with_transpose, quantize_128x128
 
 import tutorial_lib.quant.blockwise as blockwise
-from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
+from tutorial_lib.quant.blockwise import quantize_fp8_1x128_with_transpose, quantize_fp8_blockwise
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3_GRID = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
@@ -198,6 +198,46 @@ def test_bad_input_gets_a_clear_error():
         quantize_fp8_blockwise(torch.randn(4, 100, device=DEV), backend="triton")
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_with_transpose_equals_two_quantizes(dtype, pow2, layout):
+    """x's 1x128 blocks AND x.T's from one read: each bit-identical to the reference of x and of x.t()."""
+    x = _awkward(256, 384, dtype, seed=7).to(DEV)
+    if layout == "transposed":  # a column-major view, as a caller might hand over dy.t()
+        x = _awkward(384, 512, dtype, seed=8).to(DEV).t()
+    rows, cols = quantize_1x128_with_transpose(x, pow2_scales=pow2)
+    _assert_identical(rows, _reference(x, pow2))
+    _assert_identical(cols, _reference(x.t(), pow2))
+    assert cols[0].shape == (x.shape[1], x.shape[0]) and cols[1].shape == (x.shape[1], x.shape[0] // 128)
+
+
+def test_with_transpose_routing_and_errors(monkeypatch):
+    x = _awkward(128, 384, torch.bfloat16, seed=9).to(DEV)
+    ref = quantize_fp8_1x128_with_transpose(x, backend="torch")
+    for got in (quantize_fp8_1x128_with_transpose(x, backend="triton"), quantize_fp8_1x128_with_transpose(x)):
+        _assert_identical(got[0], ref[0])
+        _assert_identical(got[1], ref[1])
+    calls = []
+    monkeypatch.setattr(blockwise, "quantize_1x128_with_transpose",
+                        lambda t, **kw: calls.append(tuple(t.shape)) or quantize_1x128_with_transpose(t, **kw))
+    quantize_fp8_1x128_with_transpose(x)  # auto: the one-read kernel on CUDA only
+    quantize_fp8_1x128_with_transpose(x.double())  # fp64: the reference
+    assert calls == ([(128, 384)] if DEV == "cuda" else [])
+    with pytest.raises(ValueError, match=r"rows 192 .* not a multiple of 128: x.T's 1x128 blocks"):
+        quantize_1x128_with_transpose(torch.randn(192, 128, device=DEV))
+    with pytest.raises(ValueError, match=r"last dim 64 .* multiple"):
+        quantize_1x128_with_transpose(torch.randn(128, 64, device=DEV))
+    with pytest.raises(ValueError, match="both dims multiples of 128"):
+        quantize_fp8_1x128_with_transpose(torch.randn(100, 128))
+    with pytest.raises(ValueError, match="both dims multiples of 128"):
+        quantize_fp8_1x128_with_transpose(torch.randn(2, 128, 128))
+    with pytest.raises(ValueError, match="Triton blockwise kernels quantize"):
+        quantize_fp8_1x128_with_transpose(torch.randn(128, 128, dtype=torch.float64), backend="triton")
+    (d, s), (dt, st) = quantize_1x128_with_transpose(torch.empty(0, 256, device=DEV))
+    assert d.shape == (0, 256) and s.shape == (0, 2) and dt.shape == (256, 0) and st.shape == (256, 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (compiled kernel)")
 @pytest.mark.parametrize("pow2", [False, True])
@@ -211,6 +251,10 @@ def test_compiled_kernel_is_identical_on_large_tensors(pow2):
     for w in (x, x.float(), x.t()):  # 128x128 tiles of a weight: bf16, fp32 master, transposed
         _assert_identical(quantize_128x128(w, pow2_scales=pow2),
                           quantize_fp8_blockwise(w, (128, 128), pow2_scales=pow2, backend="torch"))
+    for v in (x, x.t()):  # x and x.T from one read (an FP8 linear layer's activation / gradient)
+        rows, cols = quantize_1x128_with_transpose(v, pow2_scales=pow2)
+        _assert_identical(rows, _reference(v, pow2))
+        _assert_identical(cols, _reference(v.t(), pow2))
 
 
 _AOT = r"""
@@ -240,9 +284,19 @@ def ptx_128x128(pow2):
                     constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
 
+def ptx_with_transpose(pow2):
+    sig = {"x_ptr": "*bf16", "data_ptr": "*u8", "scale_ptr": "*fp32", "data_t_ptr": "*u8", "scale_t_ptr": "*fp32",
+           "M": "i32", "K": "i32", "stride_m": "i32"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
+    consts = {"stride_k": 1, "POW2": pow2}
+    src = ASTSource(fn=k._quantize_1x128_with_transpose_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
+                    constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+
 json.dump({"row_major": ptx("stride_k", 32, False), "row_major_pow2": ptx("stride_k", 32, True),
            "col_major": ptx("stride_m", 64, True), "tile_128x128": ptx_128x128(False),
-           "tile_128x128_pow2": ptx_128x128(True)}, sys.stdout)
+           "tile_128x128_pow2": ptx_128x128(True), "with_transpose": ptx_with_transpose(False),
+           "with_transpose_pow2": ptx_with_transpose(True)}, sys.stdout)
 """
 
 
@@ -259,3 +313,6 @@ def test_kernel_compiles_for_sm90_with_vector_access_and_ieee_division(compile_p
     assert ptx["row_major"].count("div.rn.f32") >= 32, "non-pow2 codes must divide each element"
     assert ptx["row_major_pow2"].count("div.rn.f32") < 8, "pow2 codes multiply by the exact reciprocal"
     assert ptx["tile_128x128"].count("div.rn.f32") >= 32 > ptx["tile_128x128_pow2"].count("div.rn.f32")
+    # both variants divide per block scale (amax / 448; pow2: 1 / s); only non-pow2 divides per element: 2 x 16,384
+    # elements of a tile over 256 threads = 128 more divisions per thread
+    assert ptx["with_transpose"].count("div.rn.f32") - ptx["with_transpose_pow2"].count("div.rn.f32") >= 100

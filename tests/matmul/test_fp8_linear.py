@@ -146,6 +146,30 @@ def test_saving_the_fp8_input_gives_the_same_gradients_with_a_quarter_of_the_byt
     assert (torch.float32, 4 * x_numel) in saved[False]
 
 
+@pytest.mark.parametrize("save", [True, False])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_blockwise_reads_x_and_dy_once_for_both_block_directions(save, pow2, monkeypatch):
+    """The blockwise recipe quantizes x (forward, when x is saved as FP8) and dy (backward, dgrad + wgrad) in 1x128
+    blocks along rows AND along columns with one call -- on CUDA one read of the tensor. Forced onto the Triton
+    kernel here (the interpreter on a CPU), the layer's outputs and gradients are those of the reference path."""
+    import tutorial_lib.matmul.fp8_linear as fl
+    from tutorial_lib.quant.blockwise import quantize_fp8_1x128_with_transpose
+
+    recipe = Fp8Recipe("blockwise", save_fp8_input=save, pow2_scales=pow2)
+    ref = _run(recipe, *_layer(recipe, "cpu", torch.bfloat16))
+    calls = []
+
+    def kernel_pair(t, pow2_scales):
+        calls.append(tuple(t.shape))
+        return quantize_fp8_1x128_with_transpose(t, pow2_scales=pow2_scales, backend="triton")
+
+    monkeypatch.setattr(fl, "quantize_fp8_1x128_with_transpose", kernel_pair)
+    got = _run(recipe, *_layer(recipe, "cpu", torch.bfloat16))
+    b, s_, k, n = SHAPES["blockwise"]
+    assert calls == ([(b * s_, k)] if save else []) + [(b * s_, n)]  # x in forward, dy in backward
+    assert all(torch.equal(a, r) for a, r in zip(got, ref))
+
+
 @pytest.mark.parametrize("nominal", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["hybrid", "blockwise"])
 def test_an_fp8_weight_is_multiplied_as_is_never_dequantized(kind, nominal, monkeypatch):

@@ -25,7 +25,9 @@ Recipes (:class:`Fp8Recipe`):
   W (the tensors of :mod:`tutorial_lib.quant.blockwise`). wgrad contracts over the TOKENS, so it
   needs dy and x with blocks along M, i.e. 128x1 blocks: we quantize ``dy.T`` and ``x.T`` with
   1x128 blocks (from high precision, not by requantizing FP8 codes) and run a 1x128 x 1x128 GEMM;
-  this needs M % 128 == 0. dgrad uses W.T's tiles (the transposed 128x128 codes and scales, exact).
+  this needs M % 128 == 0. On CUDA x and x.T (and dy and dy.T) come out of ONE read of the tensor
+  (``tutorial_kernels.blockwise_quant.quantize_1x128_with_transpose``). dgrad uses W.T's tiles (the
+  transposed 128x128 codes and scales, exact).
 
 The weight. If the parameter already IS a quantized tensor of the recipe's format -- under FSDP2
 the unsharded weight is a :class:`~tutorial_lib.quant.float8.Float8Tensor` holding the all-gathered
@@ -77,7 +79,11 @@ from tutorial_lib.matmul.scaled_mm import (
     check_fp8_gemm,
     fp8_mm_codes,
 )
-from tutorial_lib.quant.blockwise import FP8Blockwise128x128Tensor, quantize_fp8_blockwise
+from tutorial_lib.quant.blockwise import (
+    FP8Blockwise128x128Tensor,
+    quantize_fp8_1x128_with_transpose,
+    quantize_fp8_blockwise,
+)
 from tutorial_lib.quant.float8 import CurrentScaling, Float8Tensor
 from tutorial_lib.quant.tensor import is_quantized
 
@@ -192,6 +198,12 @@ def _quantize_1x128(t: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, t
     return quantize_fp8_blockwise(t, (1, 128), pow2_scales=recipe.pow2_scales)
 
 
+def _quantize_1x128_pair(t: torch.Tensor, recipe: Fp8Recipe):
+    """``(_quantize_1x128(t), _quantize_1x128(t.t()))`` -- on CUDA from ONE read of ``t`` (both dims are
+    multiples of 128 wherever this is called: features by the recipe, tokens by the wgrad rule)."""
+    return quantize_fp8_1x128_with_transpose(t, pow2_scales=recipe.pow2_scales)
+
+
 def _high_precision(t: torch.Tensor, codes):
     """``codes`` of ``t``, refusing a 1-byte float ``t`` as a quantized tensor's nominal dtype is refused."""
     if t.dtype.itemsize < 2:
@@ -269,15 +281,15 @@ class _Fp8LinearFn(torch.autograd.Function):
                 x_codes = (xq.data, xq.scale_inv)
         else:
             with _phase("quantize"):
-                xq = _high_precision(x2, _quantize_1x128(x2, recipe))
+                if want_w and recipe.save_fp8_input:  # x for fprop AND x.T in 1x128 blocks (x in 128x1) for wgrad
+                    xq, x_codes = _high_precision(x2, _quantize_1x128_pair(x2, recipe))
+                else:
+                    xq = _high_precision(x2, _quantize_1x128(x2, recipe))
                 w_data, w_scale = _blockwise_weight(weight, recipe)
             with _phase("fprop"):
                 check_blockwise_codes(*xq, w_data, w_scale, x.dtype, recipe.use_fast_accum)
                 y = blockwise_mm_codes(*xq, w_data, w_scale, w_block=(128, 128), out_dtype=x.dtype,
                                        use_fast_accum=recipe.use_fast_accum, backend=recipe.backend)
-            if want_w and recipe.save_fp8_input:
-                with _phase("quantize"):
-                    x_codes = _quantize_1x128(x2.t(), recipe)  # x.T in 1x128 blocks = x in 128x1: what wgrad reads
         if bias is not None:
             y = y + bias  # high precision
         # Saved for backward. dgrad needs the weight: the parameter itself when it is FP8 (FSDP2 refills its
@@ -342,18 +354,22 @@ def _blockwise_backward(ctx, g2, w, x):
     """dgrad (dy in 1x128 blocks x W.T's tiles) and wgrad (dy.T and x.T in 1x128 blocks, along the tokens)."""
     recipe = ctx.recipe
     dx = dw = None
+    with _phase("quantize"):  # dy in 1x128 blocks (dgrad) and dy.T in 1x128 blocks (wgrad): one read when both
+        if w is not None and x is not None:
+            gq, g_t = _quantize_1x128_pair(g2, recipe)
+        elif w is not None:
+            gq = _quantize_1x128(g2, recipe)
+        else:
+            g_t = _quantize_1x128(g2.t(), recipe)
     if w is not None:  # dgrad: dx [M, K] = dy [M, N] @ W [N, K] = dy @ (W.T [K, N]).T; W.T's tiles are W's, transposed
         w_data, w_scale = w
         with _phase("transpose"):
             w_t = (_transposed(w_data), w_scale.t().contiguous())
-        with _phase("quantize"):
-            gq = _quantize_1x128(g2, recipe)
         with _phase("dgrad"):
             dx = blockwise_mm_codes(*gq, *w_t, w_block=(128, 128), out_dtype=ctx.x_dtype, backend=recipe.backend)
     if x is not None:  # wgrad: dW [N, K] = dy.T [N, M] @ x [M, K] = dy.T @ (x.T [K, M]).T, 1x128 blocks along M
         with _phase("quantize"):
             x_t = x if isinstance(x, tuple) else _quantize_1x128(x.t(), recipe)
-            g_t = _quantize_1x128(g2.t(), recipe)
         backend = "auto" if recipe.backend == "triton" else recipe.backend  # the Triton kernel has no 1x128 x 1x128
         with _phase("wgrad"):
             dw = blockwise_mm_codes(*g_t, *x_t, w_block=(1, 128), out_dtype=ctx.w_dtype, backend=backend)

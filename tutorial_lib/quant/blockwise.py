@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 
 import torch
-from tutorial_kernels.blockwise_quant import quantize_1x128, quantize_128x128
+from tutorial_kernels.blockwise_quant import quantize_1x128, quantize_1x128_with_transpose, quantize_128x128
 from tutorial_kernels.fp8_args import SUPPORTED_DTYPES
 
 from tutorial_lib.quant.block import (
@@ -116,6 +116,29 @@ def quantize_fp8_blockwise(x: torch.Tensor, block=(1, 128), *, pow2_scales: bool
     q = torch.where(nonfinite.unsqueeze(-1), torch.full_like(q, E4M3_NAN_CODE), q)
     scale_inv = torch.where(nonfinite, torch.full_like(scale_inv, float("nan")), scale_inv)
     return from_blocks(q, dims).contiguous(), scale_inv.contiguous()
+
+
+def quantize_fp8_1x128_with_transpose(x: torch.Tensor, *, pow2_scales: bool = False, backend: str = "auto"):
+    """``(quantize_fp8_blockwise(x, (1, 128)), quantize_fp8_blockwise(x.t(), (1, 128)))`` of a 2-D ``x`` whose
+    dims are both multiples of 128: x in 1x128 blocks along its rows, and x.T in 1x128 blocks (x in 128x1
+    blocks) -- what an FP8 linear layer needs of x (fprop, wgrad) and of dy (dgrad, wgrad).
+
+    ``backend`` as in :func:`quantize_fp8_blockwise`; the Triton path reads ``x`` ONCE for both
+    (``tutorial_kernels.blockwise_quant.quantize_1x128_with_transpose``), the torch path quantizes twice.
+    Same bytes and scales either way.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if x.dim() != 2 or x.shape[0] % 128 or x.shape[1] % 128:
+        raise ValueError(f"quantize_fp8_1x128_with_transpose takes a 2-D tensor with both dims multiples of 128 "
+                         f"(1x128 blocks of x and of x.T), got shape {tuple(x.shape)}")
+    if backend == "triton" or (backend == "auto" and x.is_cuda and x.dtype in SUPPORTED_DTYPES):
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"the Triton blockwise kernels quantize {SUPPORTED_DTYPES}, got {x.dtype}; use "
+                             "backend='torch'")
+        return quantize_1x128_with_transpose(x, pow2_scales=pow2_scales)
+    return (quantize_fp8_blockwise(x, (1, 128), pow2_scales=pow2_scales, backend=backend),
+            quantize_fp8_blockwise(x.t(), (1, 128), pow2_scales=pow2_scales, backend=backend))
 
 
 def dequantize_fp8_blockwise(data, scale_inv, block=(1, 128), *, dtype=torch.float32):
