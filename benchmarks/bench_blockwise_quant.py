@@ -21,16 +21,15 @@ for the single quantizes; the two separate kernel calls for the one-read kernel.
 from __future__ import annotations
 
 import argparse
-import tempfile
 
 import torch
 import tutorial_kernels.blockwise_quant as k
 
 from tutorial_lib.harness.bench import (
     alternating_case,
-    benchmark_device,
     copy_bandwidth_GBps,
     eager_and_compiled_fns,
+    kernel_benchmark_args,
     write_results,
 )
 from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
@@ -84,15 +83,10 @@ def run(shape, device: torch.device, compile_peers: bool) -> tuple[list[dict], f
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="tiny sizes; runs on CPU in the Triton interpreter")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers")
-    p.add_argument("--out", default=None, help="results directory (default benchmarks/results; --quick: a temp dir)")
-    args = p.parse_args()
-    device = benchmark_device(args.quick)
+    args, device, out = kernel_benchmark_args(p, temp_prefix="bench_blockwise_quant-")
     global ROUNDS
-    ROUNDS = 2 if args.quick else ROUNDS
+    ROUNDS = args.rounds
     shape = (256, 384) if args.quick else (16384, 16384)
-    out = args.out or (tempfile.mkdtemp(prefix="bench_blockwise_quant-") if args.quick else "benchmarks/results")
     print(f"FP8 blockwise 1x128 quantize of a bf16 {list(shape)} tensor on {device}", flush=True)
     cases, copy = run(shape, device, compile_peers=not (args.no_compile or args.quick))
     path = write_results(out, "blockwise_quant", cases, copy,

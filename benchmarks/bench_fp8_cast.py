@@ -23,7 +23,6 @@ Run on a GPU (1G bf16 elements, results into benchmarks/results/)::
 from __future__ import annotations
 
 import argparse
-import tempfile
 
 import torch
 import tutorial_kernels.fp8_cast as k  # first: sets TRITON_INTERPRET=1 on a CPU-only machine
@@ -32,9 +31,9 @@ import tutorial_lib.quant.per_tensor as ref
 from tutorial_lib.harness.bench import (
     alternating_case,
     bench_ms,
-    benchmark_device,
     copy_bandwidth_GBps,
     eager_and_compiled_fns,
+    kernel_benchmark_args,
     write_results,
 )
 
@@ -127,16 +126,11 @@ def run(n: int, device: torch.device, compile_peers: bool, configs, fmt: str = "
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=None, help="elements (default 2**30 on GPU, 2**16 with --quick)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes; runs on CPU in the Triton interpreter")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers")
-    p.add_argument("--out", default=None, help="results directory (default benchmarks/results; --quick: a temp dir)")
-    args = p.parse_args()
-    device = benchmark_device(args.quick)
+    args, device, out = kernel_benchmark_args(p, temp_prefix="bench_fp8_cast-")
     global ROUNDS
-    ROUNDS = 2 if args.quick else ROUNDS
+    ROUNDS = args.rounds
     n = args.n or (1 << 16 if args.quick else 1 << 30)
     configs = CONFIGS if device.type == "cuda" else [k.default_block()]
-    out = args.out or (tempfile.mkdtemp(prefix="bench_fp8_cast-") if args.quick else "benchmarks/results")
     print(f"per-tensor FP8 (e4m3) casts of {n:,} bf16 elements on {device}", flush=True)
     cases, copy = run(n, device, compile_peers=not args.no_compile, configs=configs)
     path = write_results(out, "fp8_cast", cases, copy, extra={"elements": n, "input_dtype": "bfloat16", "fmt": "e4m3",

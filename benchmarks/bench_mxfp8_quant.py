@@ -21,7 +21,6 @@ Run on a GPU (1G bf16 elements as a [32768, 32768] weight; results into benchmar
 from __future__ import annotations
 
 import argparse
-import tempfile
 
 import torch
 import tutorial_kernels.mxfp8_quant as k  # first: sets TRITON_INTERPRET=1 on a CPU-only machine
@@ -29,9 +28,9 @@ import tutorial_kernels.mxfp8_quant as k  # first: sets TRITON_INTERPRET=1 on a 
 from tutorial_lib.harness.bench import (
     alternating_case,
     bench_ms,
-    benchmark_device,
     copy_bandwidth_GBps,
     eager_and_compiled_fns,
+    kernel_benchmark_args,
     write_results,
 )
 from tutorial_lib.quant.mxfp8 import dequantize_mxfp8, quantize_mxfp8
@@ -104,16 +103,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=None, help="rows of the [rows, 32768] input (default 32768 = 1G "
                    "elements on GPU; 64 x 1024 with --quick)")
-    p.add_argument("--quick", action="store_true", help="tiny sizes; runs on CPU in the Triton interpreter")
-    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers")
-    p.add_argument("--out", default=None, help="results directory (default benchmarks/results; --quick: a temp dir)")
-    args = p.parse_args()
-    device = benchmark_device(args.quick)
+    args, device, out = kernel_benchmark_args(p, temp_prefix="bench_mxfp8_quant-")
     global ROUNDS
-    ROUNDS = 2 if args.quick else ROUNDS
+    ROUNDS = args.rounds
     shape = (args.rows or 64, 1024) if args.quick else (args.rows or 32768, 32768)
     configs = CONFIGS if device.type == "cuda" else [None]
-    out = args.out or (tempfile.mkdtemp(prefix="bench_mxfp8_quant-") if args.quick else "benchmarks/results")
     print(f"MXFP8 rowwise quantize/dequantize of a bf16 {list(shape)} tensor on {device}", flush=True)
     cases, copy = run(shape, device, compile_peers=not args.no_compile, configs=configs)
     path = write_results(out, "mxfp8_quant", cases, copy,

@@ -114,8 +114,8 @@ def _quantize_1x128_kernel(x_ptr, data_ptr, scale_ptr, M, K, stride_m, stride_k,
 
 
 @triton.jit
-def _quantize_128x128_kernel(x_ptr, data_ptr, scale_ptr, M, K, stride_m, stride_k, POW2: tl.constexpr):
-    """One 128x128 tile per program: its amax is a 2-D reduction, then the same scale rule and cast."""
+def _load_tile(x_ptr, K, stride_m, stride_k):
+    """This program's [128, 128] tile of x (row-major program order over the tiles), widened to fp32."""
     n_kb = K // 128
     pid = tl.program_id(0)
     pid_m = pid // n_kb
@@ -123,6 +123,14 @@ def _quantize_128x128_kernel(x_ptr, data_ptr, scale_ptr, M, K, stride_m, stride_
     rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
     cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
     x = widen_to_fp32(tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :] * stride_k))
+    return pid_m, pid_k, rows, cols, x
+
+
+@triton.jit
+def _quantize_128x128_kernel(x_ptr, data_ptr, scale_ptr, M, K, stride_m, stride_k, POW2: tl.constexpr):
+    """One 128x128 tile per program: its amax is a 2-D reduction, then the same scale rule and cast."""
+    n_kb = K // 128
+    pid_m, pid_k, rows, cols, x = _load_tile(x_ptr, K, stride_m, stride_k)
     amax_bits = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)  # NaN > inf > finite
     nonfinite = amax_bits >= 0x7F800000
     s = _scale_inv_from_amax(amax_bits, POW2)
@@ -142,12 +150,7 @@ def _quantize_1x128_with_transpose_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr
     """One [128, 128] tile per program: its rows are x's 1x128 blocks, its columns x.T's (M, K multiples of 128)."""
     n_kb = K // 128
     n_mb = M // 128
-    pid = tl.program_id(0)
-    pid_m = pid // n_kb
-    pid_k = pid - pid_m * n_kb
-    rows = pid_m.to(tl.int64) * 128 + tl.arange(0, 128)
-    cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
-    x = widen_to_fp32(tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :] * stride_k))
+    pid_m, pid_k, rows, cols, x = _load_tile(x_ptr, K, stride_m, stride_k)
     q, s = _quantize_block_rows(x, POW2)  # x's blocks: the tile's rows
     tl.store(data_ptr + rows[:, None] * K + cols[None, :], q)
     tl.store(scale_ptr + rows * n_kb + pid_k, s)

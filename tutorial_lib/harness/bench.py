@@ -180,6 +180,21 @@ def benchmark_args(doc: str, argv=None, *, temp_prefix: str) -> tuple[argparse.N
     return args, device, out
 
 
+def kernel_benchmark_args(parser: argparse.ArgumentParser, argv=None, *, temp_prefix: str
+                          ) -> tuple[argparse.Namespace, torch.device, str]:
+    """Parse a one-GPU kernel benchmark's command line: ``parser`` (with the script's own options) gets
+    ``--quick``, ``--no-compile`` (no ``torch.compile`` peers) and ``--out``. Returns ``(args, device, out_dir)``
+    as :func:`benchmark_args` does, with ``args.rounds``: alternating rounds of ours and the peers (9; 2 with
+    ``--quick``)."""
+    parser.add_argument("--quick", action="store_true", help="tiny sizes; runs on CPU in the Triton interpreter")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile peers")
+    parser.add_argument("--out", default=None, help="results directory (default benchmarks/results; --quick: temp dir)")
+    args = parser.parse_args(argv)
+    args.rounds = 2 if args.quick else 9
+    out = args.out or (tempfile.mkdtemp(prefix=temp_prefix) if args.quick else "benchmarks/results")
+    return args, benchmark_device(args.quick), out
+
+
 def mlp_benchmark_parser(doc: str) -> argparse.ArgumentParser:
     """The arguments every FSDP2 ``BlockMLP`` benchmark takes: ``--out``, ``--quick`` (2 CPU ranks, a tiny model,
     a temp dir), the model (``--dim``, ``--hidden``, ``--blocks``; default the 1.07B-parameter MLP of 8 blocks
