@@ -26,6 +26,13 @@ The data-movement problem (N elements of bf16 in, FP8 out; the floor is 3 bytes/
   steady state (a weight requantized after each optimizer step, guess = last scale) this
   is one pass, and the bytes are always identical to the two-pass cast.
 
+  with a transposed copy (``cast_current_scaling_with_transpose``; 2-D input)
+  -------------------------------------------------------------------------
+  an FP8 linear layer multiplies x (and dy) row-major in one GEMM and transposed in the weight-gradient
+  GEMM; the cast kernels above then run on [BM, BK] tiles and store each tile's codes twice, as is and
+  transposed (``tl.trans``, both stores coalesced): +1 B/element written, instead of a separate transpose
+  kernel re-reading the codes (+2 B/element and a launch).
+
 The whole tensor cannot stay on chip between amax and cast (1G bf16 = 2 GB vs ~50 MB of L2),
 so exact current scaling in one read is impossible; the speculative variant is exact *and*
 one pass when the guess is right, and never wrong when it is not.
@@ -39,6 +46,7 @@ Example::
     import tutorial_kernels.fp8_cast as k
     res = k.cast_current_scaling(x, "e4m3")                  # CastResult(data, scale, scale_inv, amax)
     res = k.cast_delayed_scaling(x, scale, "e4m3")           # one pass, records res.amax
+    res, data_t = k.cast_current_scaling_with_transpose(x2d, "e5m2")   # + x2d.t()'s codes, contiguous
     y = k.dequantize_per_tensor(res.data, res.scale_inv, "e4m3", torch.bfloat16)
 """
 
@@ -51,8 +59,8 @@ from tutorial_kernels import interpreted
 from tutorial_kernels.fp8_args import CastResult, check_amax_eps, check_dequantize_args, check_input, check_scale_arg
 from tutorial_kernels.fp8_round import decode_fp8, encode_fp8, to_bf16, widen_to_fp32
 
-__all__ = ["amax", "cast_current_scaling", "cast_delayed_scaling", "dequantize_per_tensor", "default_block",
-           "scale_from_amax"]
+__all__ = ["amax", "cast_current_scaling", "cast_current_scaling_with_transpose", "cast_delayed_scaling",
+           "dequantize_per_tensor", "default_block", "scale_from_amax"]
 
 
 def default_block() -> tuple[int, int]:
@@ -110,6 +118,16 @@ def scale_from_amax(amax, amax_eps, FMT: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
+def _publish_scale(amax_ptr, scale_ptr, scale_inv_ptr, amax_eps, FMT: tl.constexpr, POW2: tl.constexpr):
+    """Every program derives the scale from the finished amax; program 0 also stores scale and scale_inv."""
+    scale = scale_from_amax(tl.load(amax_ptr), amax_eps, FMT, POW2)
+    if tl.program_id(0) == 0:
+        tl.store(scale_ptr, scale)
+        tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
+    return scale
+
+
+@triton.jit
 def _amax_kernel(x_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr):
     base, idx = _block_offsets(tl.program_id(0), BLOCK)
     x = widen_to_fp32(_load(x_ptr, base, idx, n, BLOCK))
@@ -120,11 +138,8 @@ def _amax_kernel(x_ptr, amax_bits_ptr, n, BLOCK: tl.constexpr):
 def _cast_kernel(x_ptr, out_ptr, amax_ptr, scale_ptr, scale_inv_ptr, n, amax_eps,
                  FMT: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr):
     """Second pass of current scaling: every program derives the scale from the finished amax."""
-    scale = scale_from_amax(tl.load(amax_ptr), amax_eps, FMT, POW2)
+    scale = _publish_scale(amax_ptr, scale_ptr, scale_inv_ptr, amax_eps, FMT, POW2)
     pid = tl.program_id(0)
-    if pid == 0:
-        tl.store(scale_ptr, scale)
-        tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
     base, idx = _block_offsets(pid, BLOCK)
     x = widen_to_fp32(_load(x_ptr, base, idx, n, BLOCK))
     _store(out_ptr, base, idx, encode_fp8(x * scale, FMT), n, BLOCK)
@@ -149,11 +164,8 @@ def _cast_scaled_kernel(x_ptr, out_ptr, scale_ptr, scale_inv_ptr, amax_bits_ptr,
 def _recast_kernel(x_ptr, out_ptr, amax_ptr, guess_ptr, scale_ptr, scale_inv_ptr, n, amax_eps,
                    FMT: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr):
     """Speculative second step: nothing to do unless the true scale differs from the guess."""
-    scale = scale_from_amax(tl.load(amax_ptr), amax_eps, FMT, POW2)
+    scale = _publish_scale(amax_ptr, scale_ptr, scale_inv_ptr, amax_eps, FMT, POW2)
     pid = tl.program_id(0)
-    if pid == 0:
-        tl.store(scale_ptr, scale)
-        tl.store(scale_inv_ptr, tl.div_rn(1.0, scale))
     if scale != tl.load(guess_ptr):  # also true for a NaN scale: the bytes become NaN
         num_blocks = tl.cdiv(n, BLOCK)
         for b in range(pid, num_blocks, tl.num_programs(0)):  # persistent grid: few programs
@@ -172,6 +184,52 @@ def _dequantize_kernel(q_ptr, out_ptr, scale_inv_ptr, n, FMT: tl.constexpr, OUT_
         _store(out_ptr, base, idx, to_bf16(v), n, BLOCK)  # RNE on both backends
     else:
         _store(out_ptr, base, idx, v.to(out_ptr.dtype.element_ty), n, BLOCK)
+
+
+@triton.jit
+def _cast_tile(x_ptr, out_ptr, out_t_ptr, M, K, scale, t, FMT: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Tile ``t`` (row-major tile order) of the [M, K] input: codes stored at [r, c] and, transposed, at [c, r].
+    Returns the tile in fp32 (masked lanes 0) for an amax."""
+    n_k = tl.cdiv(K, BK)
+    tm = t // n_k
+    rows = tm.to(tl.int64) * BM + tl.arange(0, BM)
+    cols = (t - tm * n_k).to(tl.int64) * BK + tl.arange(0, BK)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = widen_to_fp32(tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0))
+    q = encode_fp8(x * scale, FMT)
+    tl.store(out_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
+    tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+    return x
+
+
+@triton.jit
+def _cast_transpose_kernel(x_ptr, out_ptr, out_t_ptr, amax_ptr, scale_ptr, scale_inv_ptr, M, K, amax_eps,
+                           FMT: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Second pass of current scaling, both layouts (the tiled twin of ``_cast_kernel``)."""
+    scale = _publish_scale(amax_ptr, scale_ptr, scale_inv_ptr, amax_eps, FMT, POW2)
+    pid = tl.program_id(0)
+    _cast_tile(x_ptr, out_ptr, out_t_ptr, M, K, scale, pid, FMT, BM, BK)
+
+
+@triton.jit
+def _cast_scaled_transpose_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, amax_bits_ptr, M, K, FMT: tl.constexpr,
+                                  BM: tl.constexpr, BK: tl.constexpr):
+    """Speculative pass, both layouts: cast with the guessed scale, fold |x| into the amax."""
+    x = _cast_tile(x_ptr, out_ptr, out_t_ptr, M, K, tl.load(scale_ptr), tl.program_id(0), FMT, BM, BK)
+    tl.atomic_max(amax_bits_ptr, tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0),
+                  sem="relaxed")
+
+
+@triton.jit
+def _recast_transpose_kernel(x_ptr, out_ptr, out_t_ptr, amax_ptr, guess_ptr, scale_ptr, scale_inv_ptr, M, K, amax_eps,
+                             FMT: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Speculative second step, both layouts: rewrite every tile only if the true scale is not the guess."""
+    scale = _publish_scale(amax_ptr, scale_ptr, scale_inv_ptr, amax_eps, FMT, POW2)
+    pid = tl.program_id(0)
+    if scale != tl.load(guess_ptr):  # also true for a NaN scale: the bytes become NaN
+        n_tiles = tl.cdiv(M, BM) * tl.cdiv(K, BK)
+        for t in range(pid, n_tiles, tl.num_programs(0)):  # persistent grid: few programs
+            _cast_tile(x_ptr, out_ptr, out_t_ptr, M, K, scale, t, FMT, BM, BK)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -265,6 +323,57 @@ def _persistent_programs(device: torch.device) -> int:
     if device.type == "cuda":
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+def _tile_config() -> tuple[int, int]:
+    """(tile side, num_warps) of the transposing casts: 64 x 64 tiles compiled; big tiles in the interpreter."""
+    return (128, 4) if interpreted() else (64, 4)
+
+
+def cast_current_scaling_with_transpose(x: torch.Tensor, fmt: str = "e4m3", *, pow2: bool = False,
+                                        amax_eps: float = 1e-12, reduce_amax=None,
+                                        scale_guess: torch.Tensor | None = None,
+                                        tile: int | None = None) -> tuple[CastResult, torch.Tensor]:
+    """:func:`cast_current_scaling` of a 2-D contiguous ``x`` [M, K], plus ``x.t()``'s codes [K, M] (contiguous):
+    ``(result, data_t)`` with ``data_t`` equal to ``result.data.t().contiguous()``, written by the same cast
+    kernels (one pass over ``x`` per cast pass; no transpose kernel). Same scale rules and bytes."""
+    _check_kernel_input(x, fmt)
+    check_amax_eps(amax_eps, fmt)
+    if x.dim() != 2:
+        raise ValueError(f"cast_current_scaling_with_transpose takes a 2-D [rows, features] tensor, got shape "
+                         f"{tuple(x.shape)}; flatten the leading dims first")
+    m, k = x.shape
+    dev = x.device
+    data_t = torch.empty((k, m), dtype=torch.uint8, device=dev)
+    if x.numel() == 0:  # nothing to transpose: the scale of amax = 0 (or the reduced amax) from the 1-D path
+        return cast_current_scaling(x, fmt, pow2=pow2, amax_eps=amax_eps, reduce_amax=reduce_amax), data_t
+    data = torch.empty((m, k), dtype=torch.uint8, device=dev)
+    bits = torch.zeros((), dtype=torch.int32, device=dev)
+    a = bits.view(torch.float32)
+    scale = torch.empty((), dtype=torch.float32, device=dev)
+    scale_inv = torch.empty((), dtype=torch.float32, device=dev)
+    side, warps = _tile_config()
+    side = tile or side
+    if side & (side - 1):
+        raise ValueError(f"tile must be a power of two, got {side}")
+    grid = (triton.cdiv(m, side) * triton.cdiv(k, side),)
+    if scale_guess is None:
+        block, num_warps = _config(None, None)
+        _amax_kernel[(triton.cdiv(x.numel(), block),)](x, bits, x.numel(), BLOCK=block, num_warps=num_warps)
+        if reduce_amax is not None:
+            reduce_amax(a)
+        _cast_transpose_kernel[grid](x, data, data_t, a, scale, scale_inv, m, k, amax_eps, FMT=fmt, POW2=pow2,
+                                     BM=side, BK=side, num_warps=warps)
+    else:
+        guess = check_scale_arg(scale_guess, dev).contiguous()
+        _cast_scaled_transpose_kernel[grid](x, data, data_t, guess, bits, m, k, FMT=fmt, BM=side, BK=side,
+                                            num_warps=warps)
+        if reduce_amax is not None:
+            reduce_amax(a)
+        _recast_transpose_kernel[(min(grid[0], _persistent_programs(dev)),)](
+            x, data, data_t, a, guess, scale, scale_inv, m, k, amax_eps, FMT=fmt, POW2=pow2, BM=side, BK=side,
+            num_warps=warps)
+    return CastResult(data, scale, scale_inv, a), data_t
 
 
 def cast_delayed_scaling(x: torch.Tensor, scale, fmt: str = "e4m3", *, out: torch.Tensor | None = None,

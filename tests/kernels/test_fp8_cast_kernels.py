@@ -149,6 +149,52 @@ def test_reduce_amax_hook_runs_between_the_passes():
         _assert_same_result(got, expect)
 
 
+# --------------------------------------------------------------------------- with the transposed codes
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cast_with_transpose_is_the_cast_and_its_transposed_codes(fmt, dtype):
+    """Partial tiles on both edges (130 x 70 in 32 x 32 tiles), every guess case, a reduce hook: the
+    result equals the 1-D cast's, and data_t is exactly its codes transposed."""
+    x = _awkward(130 * 70, dtype, 11).reshape(130, 70)
+    for pow2 in (False, True):
+        expect = ref.cast_current_scaling(x, fmt, pow2=pow2)
+        for guess in (None, expect.scale, expect.scale * 2):
+            got, data_t = k.cast_current_scaling_with_transpose(x, fmt, pow2=pow2, scale_guess=guess, tile=32)
+            _assert_same_result(got, expect)
+            assert data_t.is_contiguous() and torch.equal(data_t, expect.data.t())
+        got, data_t = k.cast_current_scaling_with_transpose(x, fmt, pow2=pow2, reduce_amax=lambda a: a.mul_(4),
+                                                            tile=32)
+        expect = ref.cast_current_scaling(x, fmt, pow2=pow2, reduce_amax=lambda a: a.mul_(4))
+        _assert_same_result(got, expect)
+        assert torch.equal(data_t, expect.data.t())
+    ref_res, ref_t = ref.cast_current_scaling_with_transpose(x, fmt)  # the torch twin: the same pair
+    got, data_t = CurrentScaling(fmt, backend="triton").cast_with_transpose(x)
+    _assert_same_result(got, ref_res)
+    assert torch.equal(data_t, ref_t)
+
+
+def test_cast_with_transpose_nan_empty_and_bad_input():
+    x = _awkward(64 * 48, torch.bfloat16, 12).reshape(64, 48)
+    x[5, 7] = float("nan")
+    for guess in (None, torch.tensor(1.0, device=DEV)):
+        got, data_t = k.cast_current_scaling_with_transpose(x, "e4m3", scale_guess=guess, tile=16)
+        assert got.scale.isnan() and bool((_nan_canonical(data_t, "e4m3") == 0x7F).all())
+    for shape in ((0, 48), (64, 0)):
+        got, data_t = k.cast_current_scaling_with_transpose(torch.empty(shape, device=DEV), "e5m2")
+        _assert_same_result(got, ref.cast_current_scaling(torch.empty(shape, device=DEV), "e5m2"))
+        assert data_t.shape == shape[::-1]
+    with pytest.raises(ValueError, match="2-D"):
+        k.cast_current_scaling_with_transpose(x.reshape(-1), "e4m3")
+    with pytest.raises(ValueError, match="2-D"):
+        ref.cast_current_scaling_with_transpose(x.reshape(4, 16, 48), "e4m3")
+    with pytest.raises(ValueError, match="contiguous"):
+        k.cast_current_scaling_with_transpose(x.t(), "e4m3")
+    with pytest.raises(ValueError, match="power of two"):
+        k.cast_current_scaling_with_transpose(x, "e4m3", tile=48)
+
+
 # --------------------------------------------------------------------------- dequantize
 
 
@@ -328,6 +374,23 @@ out = {
     "dequantize": ptx(k._dequantize_kernel, {"q_ptr": "*u8", "out_ptr": "*bf16", "scale_inv_ptr": "*fp32", "n": "i64"},
                       {"FMT": "e4m3", "OUT_BF16": True, "BLOCK": 4096}),
 }
+# the transposing casts, as the JIT specializes an FP8 linear layer's launch: M and K multiples of 16
+xt = {"x_ptr": "*bf16", "out_ptr": "*u8", "out_t_ptr": "*u8"}
+mk = {"M": "i32", "K": "i32"}
+def ptx2(fn, sig, consts):
+    names = list(sig)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n].startswith("*") or n in mk}
+    src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+tiles = {"BM": 64, "BK": 64}
+out["cast_transpose"] = ptx2(k._cast_transpose_kernel, {**xt, "amax_ptr": "*fp32", "scale_ptr": "*fp32",
+                             "scale_inv_ptr": "*fp32", **mk, "amax_eps": "fp32"},
+                             {"FMT": "e4m3", "POW2": False, **tiles})
+out["scaled_transpose"] = ptx2(k._cast_scaled_transpose_kernel, {**xt, "scale_ptr": "*fp32", "amax_bits_ptr": "*i32",
+                               **mk}, {"FMT": "e5m2", **tiles})
+out["recast_transpose"] = ptx2(k._recast_transpose_kernel, {**xt, "amax_ptr": "*fp32", "guess_ptr": "*fp32",
+                               "scale_ptr": "*fp32", "scale_inv_ptr": "*fp32", **mk, "amax_eps": "fp32"},
+                               {"FMT": "e4m3", "POW2": True, **tiles})
 json.dump(out, sys.stdout)
 """
 
@@ -342,5 +405,9 @@ def test_kernels_compile_for_sm90_with_vector_loads_and_hardware_casts(compile_p
     for name in ("cast", "scaled", "recast"):
         assert "cvt.rn.satfinite.e" in ptx[name], f"{name}: no hardware satfinite fp8 conversion"
         assert "st.global.v4" in ptx[name], f"{name}: byte stores are not vectorized"
+    for name in ("cast_transpose", "scaled_transpose", "recast_transpose"):
+        assert "cvt.rn.satfinite.e" in ptx[name], f"{name}: no hardware satfinite fp8 conversion"
+        assert ".ftz" not in ptx[name], f"{name}: flushes subnormals"
+        assert "st.global.v4" in ptx[name], f"{name}: the (transposed) byte stores are not vectorized"
     assert "red.global.gpu.relaxed.max.s32" in ptx["amax"] or "atom.global.gpu.relaxed.max.s32" in ptx["amax"]
     assert "div.rn.f32" in ptx["cast"]  # correctly rounded scale, like torch

@@ -148,6 +148,39 @@ def test_saving_the_fp8_input_gives_the_same_gradients_with_a_quarter_of_the_byt
 
 @pytest.mark.parametrize("save", [True, False])
 @pytest.mark.parametrize("pow2", [False, True])
+def test_hybrid_casts_write_the_transposed_codes_wgrad_reads(save, pow2, monkeypatch):
+    """The hybrid recipe gets x.T's and dy.T's codes from the casts themselves (no transpose pass). Forced onto
+    the Triton kernels here (the interpreter on a CPU), outputs and gradients are those of the reference path;
+    x is cast with its transpose in forward when saved as FP8 (else in backward), dy in backward."""
+    import tutorial_lib.matmul.fp8_linear as fl
+
+    recipe = Fp8Recipe("hybrid", save_fp8_input=save, pow2_scales=pow2)
+    guess = fl.ScaleGuess()
+    ref = [_run_with_guess(recipe, guess, *_layer(recipe, "cpu", torch.bfloat16, seed=s)) for s in (0, 1)]
+    calls = []
+
+    class Spy(CurrentScaling):
+        def cast_with_transpose(self, t, **kw):
+            calls.append((self.fmt, tuple(t.shape)))
+            return super().cast_with_transpose(t, **kw)
+
+    monkeypatch.setattr(fl, "_CASTS", {key: Spy(key[0], pow2=key[1], backend="triton") for key in fl._CASTS})
+    guess = fl.ScaleGuess()
+    got = [_run_with_guess(recipe, guess, *_layer(recipe, "cpu", torch.bfloat16, seed=s)) for s in (0, 1)]
+    b, s_, k, n = SHAPES["hybrid"]
+    x_cast, dy_cast = ("e4m3", (b * s_, k)), ("e5m2", (b * s_, n))
+    assert calls == ([x_cast, dy_cast] if save else [dy_cast, x_cast]) * 2  # x in forward, or recast in backward
+    assert all(torch.equal(a, r) for g, rr in zip(got, ref) for a, r in zip(g, rr))
+
+
+def _run_with_guess(recipe, guess, w, bias, x, g):
+    y = fp8_linear(x, w, bias, recipe, guess)  # the second call's pow2 casts guess the first call's scales
+    y.backward(g)
+    return y.detach(), x.grad.clone(), w.grad.clone(), bias.grad.clone()
+
+
+@pytest.mark.parametrize("save", [True, False])
+@pytest.mark.parametrize("pow2", [False, True])
 def test_blockwise_reads_x_and_dy_once_for_both_block_directions(save, pow2, monkeypatch):
     """The blockwise recipe quantizes x (forward, when x is saved as FP8) and dy (backward, dgrad + wgrad) in 1x128
     blocks along rows AND along columns with one call -- on CUDA one read of the tensor. Forced onto the Triton

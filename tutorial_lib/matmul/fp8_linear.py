@@ -9,9 +9,10 @@ GEMM (:mod:`tutorial_lib.matmul.scaled_mm`), with the operand layouts Hopper's F
     fprop   y  [M, N] = x  @ W.T    x codes  [M, K]        W.T: W [N, K] as stored     none
     dgrad   dx [M, K] = dy @ W      dy codes [M, N]        W  : needs W.T row-major    W.T codes [K, N] (1 B/el)
     wgrad   dW [N, K] = dy.T @ x    dy.T codes [N, M]      x  : needs x.T row-major    dy.T and x.T codes
-    (M = tokens, K = in_features, N = out_features; a "transposed copy" is of the 1-byte codes,
-     exact for a per-tensor scale and for 128x128 tiles, whose scales transpose with them; on CUDA
-     made by the tiled Triton transpose of ``tutorial_kernels.transpose``)
+    (M = tokens, K = in_features, N = out_features. W.T's codes are a transposed copy of the 1-byte
+     codes, exact for a per-tensor scale and for 128x128 tiles, whose scales transpose with them; on
+     CUDA the tiled Triton transpose of ``tutorial_kernels.transpose``. dy.T and x.T are written by
+     the cast that makes dy and x -- their second layout, not a copy: see the recipes.)
 
 Recipes (:class:`Fp8Recipe`):
 
@@ -20,7 +21,8 @@ Recipes (:class:`Fp8Recipe`):
   (E5M2 x E5M2 does not exist). x and dy are cast by :class:`~tutorial_lib.quant.float8.CurrentScaling`,
   which on CUDA runs the repository's Triton casts (amax computed in the kernels, the scale derived
   on the device, no host sync); with ``pow2_scales=True`` the one-pass speculative cast, guessing
-  each layer's previous scale (:class:`ScaleGuess`).
+  each layer's previous scale (:class:`ScaleGuess`). When wgrad needs them, the cast also stores
+  x.T's and dy.T's codes (``CurrentScaling.cast_with_transpose``: tiles stored twice, no transpose kernel).
 * ``"blockwise"``: E4M3 everywhere, one scale per 1x128 block of x and dy and per 128x128 tile of
   W (the tensors of :mod:`tutorial_lib.quant.blockwise`). wgrad contracts over the TOKENS, so it
   needs dy and x with blocks along M, i.e. 128x1 blocks: we quantize ``dy.T`` and ``x.T`` with
@@ -240,15 +242,18 @@ class ScaleGuess:
         self.dy: torch.Tensor | None = None
 
 
-def _cast(t: torch.Tensor, fmt: str, recipe: Fp8Recipe, guess: ScaleGuess | None, role: str):
-    """Current-scaling cast of ``t`` (CastResult), speculative on the layer's last scale when it can be."""
+def _cast(t: torch.Tensor, fmt: str, recipe: Fp8Recipe, guess: ScaleGuess | None, role: str, *,
+          transposed: bool = False):
+    """Current-scaling cast of ``t`` (CastResult), speculative on the layer's last scale when it can be; with
+    ``transposed``, ``(CastResult, codes of t.t())`` from the same cast kernels (no transpose pass)."""
     scale_guess = getattr(guess, role) if (guess is not None and recipe.pow2_scales) else None
     if scale_guess is not None and scale_guess.device != t.device:
         scale_guess = None
-    res = _CASTS[fmt, recipe.pow2_scales].cast(t, scale_guess=scale_guess)
+    cast = _CASTS[fmt, recipe.pow2_scales]
+    out = cast.cast_with_transpose(t, scale_guess=scale_guess) if transposed else cast.cast(t, scale_guess=scale_guess)
     if guess is not None and recipe.pow2_scales:
-        setattr(guess, role, res.scale)
-    return res
+        setattr(guess, role, (out[0] if transposed else out).scale)
+    return out
 
 
 # ----------------------------------------------------------------------------- the autograd function
@@ -270,7 +275,10 @@ class _Fp8LinearFn(torch.autograd.Function):
         x_codes = (None, None)
         if recipe.kind == "hybrid":
             with _phase("quantize"):
-                xq = _cast(x2, "e4m3", recipe, guess, "x")
+                if want_w and recipe.save_fp8_input:  # x's codes for fprop and x.T's, saved for wgrad
+                    xq, x_t = _cast(x2, "e4m3", recipe, guess, "x", transposed=True)
+                else:
+                    xq = _cast(x2, "e4m3", recipe, guess, "x")
                 w_data, w_scale = _hybrid_weight(weight, recipe)
             with _phase("fprop"):
                 w_col = w_data.t()  # W [N, K] row-major IS the column-major B = W.T
@@ -278,7 +286,7 @@ class _Fp8LinearFn(torch.autograd.Function):
                 y = fp8_mm_codes(xq.data, "e4m3", xq.scale_inv, w_col, "e4m3", w_scale, out_dtype=x.dtype,
                                  use_fast_accum=recipe.use_fast_accum, backend=recipe.backend)
             if want_w and recipe.save_fp8_input:
-                x_codes = (xq.data, xq.scale_inv)
+                x_codes = (x_t, xq.scale_inv)
         else:
             with _phase("quantize"):
                 if want_w and recipe.save_fp8_input:  # x for fprop AND x.T in 1x128 blocks (x in 128x1) for wgrad
@@ -293,8 +301,9 @@ class _Fp8LinearFn(torch.autograd.Function):
         if bias is not None:
             y = y + bias  # high precision
         # Saved for backward. dgrad needs the weight: the parameter itself when it is FP8 (FSDP2 refills its
-        # bytes in place before backward), else the codes cast above. wgrad needs x: its FP8 codes + scale
-        # (1 byte/element) or x itself (requantized in backward, to the same codes).
+        # bytes in place before backward), else the codes cast above. wgrad needs x: x.T's FP8 codes + scale
+        # (1 byte/element; both recipes keep the transposed operand wgrad reads) or x itself (requantized in
+        # backward, to the same codes).
         fp8_weight = is_quantized(weight)
         w_param = weight if (want_x and fp8_weight) else None
         w_codes = (w_data, w_scale) if (want_x and not fp8_weight) else (None, None)
@@ -304,7 +313,7 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        w_param, w_data, w_scale, x_hp, x_data, x_scale = ctx.saved_tensors
+        w_param, w_data, w_scale, x_hp, x_t_data, x_scale = ctx.saved_tensors
         if w_param is not None:
             w_data, w_scale = _codes(w_param)
         g2 = _rows_of(grad_out, "grad_output")
@@ -312,7 +321,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             g2 = g2.contiguous()
         want_x, want_w, want_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         w = (w_data, w_scale) if want_x else None
-        x = None if not want_w else (x_data, x_scale) if x_data is not None else _rows_of(x_hp, "x")
+        x = None if not want_w else (x_t_data, x_scale) if x_t_data is not None else _rows_of(x_hp, "x")
         backward = _hybrid_backward if ctx.recipe.kind == "hybrid" else _blockwise_backward
         dx, dw = backward(ctx, g2, w, x)
         db = g2.sum(0) if (ctx.has_bias and want_b) else None
@@ -322,10 +331,14 @@ class _Fp8LinearFn(torch.autograd.Function):
 
 
 def _hybrid_backward(ctx, g2, w, x):
-    """dgrad (if ``w``: the weight's codes + scale) and wgrad (if ``x``: x's codes + scale, or x itself)."""
+    """dgrad (if ``w``: the weight's codes + scale) and wgrad (if ``x``: x.T's codes + scale, or x itself)."""
     recipe = ctx.recipe
-    with _phase("quantize"):
-        gq = _cast(g2, "e5m2", recipe, ctx.guess, "dy")  # dy in E5M2, once for both GEMMs
+    g_t = None
+    with _phase("quantize"):  # dy in E5M2, once for both GEMMs; with wgrad, dy.T's codes from the same kernels
+        if x is not None:
+            gq, g_t = _cast(g2, "e5m2", recipe, ctx.guess, "dy", transposed=True)
+        else:
+            gq = _cast(g2, "e5m2", recipe, ctx.guess, "dy")
     dx = dw = None
     if w is not None:  # dgrad: dx = dy @ W. B = W [N, K] column-major = (W.T row-major [K, N]).t(): a copy
         w_data, w_scale = w
@@ -334,16 +347,13 @@ def _hybrid_backward(ctx, g2, w, x):
         with _phase("dgrad"):
             dx = fp8_mm_codes(gq.data, "e5m2", gq.scale_inv, w_t.t(), "e4m3", w_scale, out_dtype=ctx.x_dtype,
                               backend=recipe.backend)
-    if x is not None:  # wgrad: dW = dy.T @ x. A = dy.T row-major (a copy); B = x column-major = (x.T).t() (a copy)
+    if x is not None:  # wgrad: dW = dy.T @ x. A = dy.T row-major; B = x column-major = (x.T row-major).t()
         if isinstance(x, tuple):
-            x_data, x_scale = x
+            x_t, x_scale = x
         else:
-            with _phase("quantize"):
-                xq = _CASTS["e4m3", recipe.pow2_scales].cast(x)  # the same codes the forward made
-            x_data, x_scale = xq.data, xq.scale_inv
-        with _phase("transpose"):
-            g_t = _transposed(gq.data)
-            x_t = _transposed(x_data)
+            with _phase("quantize"):  # the same codes the forward made, and x.T's
+                xq, x_t = _CASTS["e4m3", recipe.pow2_scales].cast_with_transpose(x)
+            x_scale = xq.scale_inv
         with _phase("wgrad"):
             dw = fp8_mm_codes(g_t, "e5m2", gq.scale_inv, x_t.t(), "e4m3", x_scale, out_dtype=ctx.w_dtype,
                               backend=recipe.backend)

@@ -56,7 +56,8 @@ from tutorial_lib.quant.formats import get_format
 
 __all__ = [
     "SUPPORTED_DTYPES", "FP8_FORMATS", "CastResult", "amax", "scale_from_amax", "quantize_per_tensor",
-    "dequantize_per_tensor", "cast_current_scaling", "cast_delayed_scaling", "check_input", "check_scale_arg",
+    "dequantize_per_tensor", "cast_current_scaling", "cast_current_scaling_with_transpose", "cast_delayed_scaling",
+    "check_input", "check_scale_arg",
     "check_amax_eps", "check_dequantize_args", "all_reduce_amax", "fake_quantize_per_tensor",
 ]
 
@@ -135,6 +136,19 @@ def cast_current_scaling(x: torch.Tensor, fmt: str = "e4m3", *, pow2: bool = Fal
     scale = scale_from_amax(a, fmt, pow2=pow2, amax_eps=amax_eps)
     data = _into(out, quantize_per_tensor(x, scale, fmt))
     return CastResult(data, scale, scale.reciprocal(), a)
+
+
+def cast_current_scaling_with_transpose(
+    x: torch.Tensor, fmt: str = "e4m3", *, pow2: bool = False, amax_eps: float = 1e-12,
+    reduce_amax: Callable[[torch.Tensor], None] | None = None, scale_guess: torch.Tensor | None = None,
+) -> tuple[CastResult, torch.Tensor]:
+    """:func:`cast_current_scaling` of a 2-D ``x`` and the transposed codes ``result.data.t().contiguous()``:
+    what an FP8 linear layer needs of x and dy (row-major for one GEMM, transposed for the weight gradient)."""
+    if x.dim() != 2:
+        raise ValueError(f"cast_current_scaling_with_transpose takes a 2-D [rows, features] tensor, got shape "
+                         f"{tuple(x.shape)}; flatten the leading dims first")
+    res = cast_current_scaling(x, fmt, pow2=pow2, amax_eps=amax_eps, reduce_amax=reduce_amax, scale_guess=scale_guess)
+    return res, res.data.t().contiguous()
 
 
 def cast_delayed_scaling(x: torch.Tensor, scale, fmt: str = "e4m3", *, out: torch.Tensor | None = None) -> CastResult:
