@@ -13,6 +13,7 @@ bf16 element; ``traffic_bytes`` is what the algorithm has to move:
     current scaling pow2, speculative, guess wrong    6 B         50%   (worst case)
     dequantize FP8 -> bf16                            3 B        100%
     amax only                                         2 B        (bytes = 2 B/elem)
+    current scaling + transposed codes (2-D)          6 B        (bytes = 4 B/elem: 2 read + 2 written)
 
 Run on a GPU (1G bf16 elements, results into benchmarks/results/)::
 
@@ -26,6 +27,7 @@ import argparse
 
 import torch
 import tutorial_kernels.fp8_cast as k  # first: sets TRITON_INTERPRET=1 on a CPU-only machine
+from tutorial_kernels.transpose import transpose
 
 import tutorial_lib.quant.per_tensor as ref
 from tutorial_lib.harness.bench import (
@@ -118,6 +120,24 @@ def run(n: int, device: torch.device, compile_peers: bool, configs, fmt: str = "
     # 6. amax alone (the first pass of current scaling)
     check(k.amax(x), ref.amax(x), "amax")
     add("amax only (2 B/elem)", lambda **c: k.amax(x, **c), peers_of(ref.amax, x), 2 * n, nbytes=2 * n)
+
+    # 7. current scaling of a 2-D activation with the transposed codes an FP8 linear layer's wgrad reads:
+    #    the tiled cast storing both layouts vs the 1-D cast + the tiled transpose of its codes (a launch more,
+    #    and the codes read again); no torch peer (the torch twin is the same two steps)
+    x2 = x.view(-1, 1024) if n % 1024 == 0 else x.view(1, -1)
+    pair = k.cast_current_scaling_with_transpose(x2, fmt)
+    one = k.cast_current_scaling(x2, fmt)
+    if not (_equal(pair[0], one) and torch.equal(pair[1], transpose(one.data))):
+        raise AssertionError("cast with transpose: bytes differ from the cast + transpose")
+    c = alternating_case("current scaling + transposed codes, two passes (6 B/elem)",
+                         lambda: k.cast_current_scaling_with_transpose(x2, fmt),
+                         {"cast_current_scaling + tutorial_kernels.transpose": lambda: transpose(
+                             k.cast_current_scaling(x2, fmt).data)},
+                         nbytes=minimum + n, copy_GBps=copy, rounds=ROUNDS)
+    c.update({"traffic_bytes": 6 * n, "shape": list(x2.shape)})
+    print(f"{c['name']:58s} {c['ours_ms']:8.3f} ms  {c['fraction_of_copy']:6.1%} of copy  peers {c['peers']}",
+          flush=True)
+    cases.append(c)
     for c in cases:
         c["compile_matches_eager"] = compile_matches
     return cases, copy
