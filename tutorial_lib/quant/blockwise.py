@@ -70,6 +70,20 @@ def _check_block(block) -> tuple[int, ...]:
     return block_dims_of(block)
 
 
+def _check_backend(backend: str) -> None:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+
+
+def _use_triton(x: torch.Tensor, backend: str) -> bool:
+    """The Triton kernels for ``backend="triton"`` (refusing a dtype they lack) or, under "auto", for a CUDA
+    tensor of a dtype they take; the torch reference otherwise."""
+    if backend == "triton" and x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"the Triton blockwise kernels quantize {SUPPORTED_DTYPES}, got {x.dtype}; use "
+                         "backend='torch'")
+    return backend == "triton" or (backend == "auto" and x.is_cuda and x.dtype in SUPPORTED_DTYPES)
+
+
 def blockwise_scale_inv(amax: torch.Tensor, pow2_scales: bool = False) -> torch.Tensor:
     """Per-block dequantization multiplier from fp32 block amaxes (see module docstring)."""
     # tensor / tensor: one IEEE division on every device (torch's CUDA ``tensor / python_scalar``
@@ -92,15 +106,11 @@ def quantize_fp8_blockwise(x: torch.Tensor, block=(1, 128), *, pow2_scales: bool
     CUDA tensor, the torch reference otherwise).
     """
     dims = _check_block(block)
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    _check_backend(backend)
     if not x.is_floating_point():
         raise TypeError(f"FP8 blockwise quantizes floating-point tensors, got {x.dtype}")
     check_block_shape(x.shape, dims, what="FP8 blockwise")
-    if backend == "triton" and x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"the Triton blockwise kernels quantize {SUPPORTED_DTYPES}, got {x.dtype}; use "
-                         "backend='torch'")
-    if backend == "triton" or (backend == "auto" and x.is_cuda and x.dtype in SUPPORTED_DTYPES):
+    if _use_triton(x, backend):
         # 1x128 or 128x128: leading dims flattened into rows (tiles never straddle them: dim -2 % 128 == 0)
         x2 = x if x.dim() == 2 else x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # a view when it can be
         kernel = quantize_1x128 if dims == (128,) else quantize_128x128
@@ -127,15 +137,11 @@ def quantize_fp8_1x128_with_transpose(x: torch.Tensor, *, pow2_scales: bool = Fa
     (``tutorial_kernels.blockwise_quant.quantize_1x128_with_transpose``), the torch path quantizes twice.
     Same bytes and scales either way.
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    _check_backend(backend)
     if x.dim() != 2 or x.shape[0] % 128 or x.shape[1] % 128:
         raise ValueError(f"quantize_fp8_1x128_with_transpose takes a 2-D tensor with both dims multiples of 128 "
                          f"(1x128 blocks of x and of x.T), got shape {tuple(x.shape)}")
-    if backend == "triton" or (backend == "auto" and x.is_cuda and x.dtype in SUPPORTED_DTYPES):
-        if x.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"the Triton blockwise kernels quantize {SUPPORTED_DTYPES}, got {x.dtype}; use "
-                             "backend='torch'")
+    if _use_triton(x, backend):
         return quantize_1x128_with_transpose(x, pow2_scales=pow2_scales)
     return (quantize_fp8_blockwise(x, (1, 128), pow2_scales=pow2_scales, backend=backend),
             quantize_fp8_blockwise(x.t(), (1, 128), pow2_scales=pow2_scales, backend=backend))
