@@ -125,12 +125,12 @@ def run(n: int, device: torch.device, compile_peers: bool, configs, fmt: str = "
     #    the tiled cast storing both layouts vs the 1-D cast + the tiled transpose of its codes (a launch more,
     #    and the codes read again); no torch peer (the torch twin is the same two steps)
     x2 = x.view(-1, 1024) if n % 1024 == 0 else x.view(1, -1)
-    pair = k.cast_current_scaling_with_transpose(x2, fmt)
+    pair = k.cast_current_scaling_with_transpose(x2, fmt, fused=True)
     one = k.cast_current_scaling(x2, fmt)
     if not (_equal(pair[0], one) and torch.equal(pair[1], transpose(one.data))):
         raise AssertionError("cast with transpose: bytes differ from the cast + transpose")
-    c = alternating_case("current scaling + transposed codes, two passes (6 B/elem)",
-                         lambda: k.cast_current_scaling_with_transpose(x2, fmt),
+    c = alternating_case("current scaling + transposed codes, fused tiles, two passes (6 B/elem)",
+                         lambda: k.cast_current_scaling_with_transpose(x2, fmt, fused=True),
                          {"cast_current_scaling + tutorial_kernels.transpose": lambda: transpose(
                              k.cast_current_scaling(x2, fmt).data)},
                          nbytes=minimum + n, copy_GBps=copy, rounds=ROUNDS)

@@ -40,7 +40,8 @@ Example::
 An FP8 linear layer needs each activation and each output gradient twice, in 1x128 blocks along its rows
 (fprop: x; dgrad: dy) and along its columns (wgrad contracts over the tokens: x.T, dy.T).
 :func:`quantize_1x128_with_transpose` makes both from one read of a [128, 128] tile: the row blocks are
-the tile's rows, the column blocks its columns, stored transposed (``tl.trans``, both sides coalesced)::
+the tile's rows, the column blocks its columns (amax down each column), their codes stored through
+transposed addresses (Triton regroups the bytes on chip, so both stores are coalesced)::
 
       tile [128, 128] of x --+--> amax per row    --> data   [M, K] uint8, scale_inv   [M, K/128]
                              +--> amax per column --> data_t [K, M] uint8, scale_inv_t [K, M/128]  (x.T's blocks)
@@ -83,16 +84,19 @@ def _scale_inv_from_amax(amax_bits, POW2: tl.constexpr):
 
 
 @triton.jit
-def _quantize_block_rows(x, POW2: tl.constexpr):
-    """E4M3 codes and fp32 scale_inv of each ROW of the fp32 tile ``x`` as one block: the 1x128 rule."""
-    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # NaN-propagating amax
+def _quantize_blocks(x, AXIS: tl.constexpr, POW2: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """E4M3 codes and fp32 scale_inv of the fp32 tile ``x`` with each line along ``AXIS`` one block: the
+    1x128 rule for the tile's rows (AXIS=1) or its columns (AXIS=0). Codes come back in the tile's layout.
+    ``TRANSPOSED``: the kernel stores codes through transposed addresses (``encode_fp8``'s flag)."""
+    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=AXIS)  # NaN-propagating amax
     nonfinite = amax_bits >= 0x7F800000
     s = _scale_inv_from_amax(amax_bits, POW2)
+    s_b, nonfinite_b = tl.expand_dims(s, AXIS), tl.expand_dims(nonfinite, AXIS)  # broadcast over the block
     if POW2:
-        y = x * tl.div_rn(1.0, s)[:, None]  # exact reciprocal of a power of two: same fp32 as x / s
+        y = x * tl.div_rn(1.0, s_b)  # exact reciprocal of a power of two: same fp32 as x / s
     else:
-        y = tl.div_rn(x, s[:, None])  # the reference's per-element IEEE division
-    q = tl.where(nonfinite[:, None], 0x7F, encode_fp8(y, "e4m3")).to(tl.uint8)  # 0x7F: E4M3's NaN byte
+        y = tl.div_rn(x, s_b)  # the reference's per-element IEEE division
+    q = tl.where(nonfinite_b, 0x7F, encode_fp8(y, "e4m3", TRANSPOSED)).to(tl.uint8)  # 0x7F: E4M3's NaN byte
     s_bits = tl.where(nonfinite, 0x7FC00000, s.to(tl.int32, bitcast=True))  # float("nan") as torch stores it
     return q, s_bits.to(tl.float32, bitcast=True)
 
@@ -108,7 +112,7 @@ def _quantize_1x128_kernel(x_ptr, data_ptr, scale_ptr, M, K, stride_m, stride_k,
     cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
     row_ok = rows < M
     x = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :] * stride_k, mask=row_ok[:, None], other=0.0)
-    q, s = _quantize_block_rows(widen_to_fp32(x), POW2)  # masked rows are zeros: scale 1, not stored
+    q, s = _quantize_blocks(widen_to_fp32(x), 1, POW2)  # masked rows are zeros: scale 1, not stored
     tl.store(data_ptr + rows[:, None] * K + cols[None, :], q, mask=row_ok[:, None])
     tl.store(scale_ptr + rows * n_kb + pid_k, s, mask=row_ok)
 
@@ -146,22 +150,27 @@ def _quantize_128x128_kernel(x_ptr, data_ptr, scale_ptr, M, K, stride_m, stride_
 
 @triton.jit
 def _quantize_1x128_with_transpose_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr, scale_t_ptr, M, K, stride_m,
-                                          stride_k, POW2: tl.constexpr):
+                                          stride_k, size_bucket, col_major, POW2: tl.constexpr):
     """One [128, 128] tile per program: its rows are x's 1x128 blocks, its columns x.T's (M, K multiples of 128)."""
     n_kb = K // 128
     n_mb = M // 128
     pid_m, pid_k, rows, cols, x = _load_tile(x_ptr, K, stride_m, stride_k)
-    q, s = _quantize_block_rows(x, POW2)  # x's blocks: the tile's rows
+    q, s = _quantize_blocks(x, 1, POW2, True)  # x's blocks: the tile's rows
     tl.store(data_ptr + rows[:, None] * K + cols[None, :], q)
     tl.store(scale_ptr + rows * n_kb + pid_k, s)
-    q_t, s_t = _quantize_block_rows(tl.trans(x), POW2)  # x.T's blocks: the tile's columns, as rows of x.T
-    tl.store(data_t_ptr + cols[:, None] * M + rows[None, :], q_t)
+    q_t, s_t = _quantize_blocks(x, 0, POW2, True)  # x.T's blocks: the tile's columns (codes still in x's layout)
+    # stored through transposed addresses: Triton's coalescing pass regroups the BYTES through shared memory
+    # (a quarter of what transposing the fp32 tile before the math would move) so the stores stay coalesced
+    tl.store(data_t_ptr + cols[None, :] * M + rows[:, None], q_t)
     tl.store(scale_t_ptr + cols * n_mb + pid_m, s_t)
 
 
 _CONFIGS = [triton.Config({"ROWS": r}, num_warps=w) for r in (8, 16, 32, 64, 128) for w in (2, 4, 8)]
 # size_bucket and col_major only key the tuning: a column-major input (x.t()) wants more rows per program.
 _quantize_tuned = triton.autotune(_CONFIGS, key=["size_bucket", "col_major", "POW2"])(_quantize_1x128_kernel)
+# one [128, 128] tile per program either way: only the warps that share it are tuned
+_with_transpose_tuned = triton.autotune([triton.Config({}, num_warps=w) for w in (4, 8, 16)],
+                                        key=["size_bucket", "col_major", "POW2"])(_quantize_1x128_with_transpose_kernel)
 
 
 def _check(x: torch.Tensor, name: str = "quantize_1x128") -> None:
@@ -234,13 +243,14 @@ def quantize_128x128(x: torch.Tensor, *, pow2_scales: bool = False,
     return data, scale_inv
 
 
-def quantize_1x128_with_transpose(x: torch.Tensor, *, pow2_scales: bool = False, num_warps: int = 8
+def quantize_1x128_with_transpose(x: torch.Tensor, *, pow2_scales: bool = False, num_warps: int | None = None
                                   ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """``(quantize_1x128(x), quantize_1x128(x.t()))`` in ONE pass over ``x`` (fp32/bf16/fp16, 2-D, any strides).
 
     Returns ``((data [M, K], scale_inv [M, K/128]), (data_t [K, M], scale_inv_t [K, M/128]))``, all contiguous,
     bit-identical to the two separate quantizes (and so to the torch reference). Both M and K must be
-    multiples of 128 (the tile holds whole blocks in both directions): ValueError otherwise.
+    multiples of 128 (the tile holds whole blocks in both directions): ValueError otherwise. ``num_warps``:
+    warps per [128, 128] tile; None autotunes on GPU (8 in the interpreter).
     """
     _check(x, "quantize_1x128_with_transpose")
     m, k = x.shape
@@ -252,7 +262,11 @@ def quantize_1x128_with_transpose(x: torch.Tensor, *, pow2_scales: bool = False,
     data_t = torch.empty((k, m), dtype=torch.uint8, device=x.device)
     scale_inv_t = torch.empty((k, m // BLOCK_1X128), dtype=torch.float32, device=x.device)
     if m and k:
-        _quantize_1x128_with_transpose_kernel[((m // BLOCK_1X128) * (k // BLOCK_1X128),)](
-            x, data, scale_inv, data_t, scale_inv_t, m, k, x.stride(0), x.stride(1), POW2=bool(pow2_scales),
-            num_warps=num_warps)
+        grid = ((m // BLOCK_1X128) * (k // BLOCK_1X128),)
+        args = (x, data, scale_inv, data_t, scale_inv_t, m, k, x.stride(0), x.stride(1), (m * k).bit_length(),
+                int(x.stride(0) == 1 and x.stride(1) != 1))
+        if interpreted() or num_warps is not None:
+            _quantize_1x128_with_transpose_kernel[grid](*args, POW2=bool(pow2_scales), num_warps=num_warps or 8)
+        else:
+            _with_transpose_tuned[grid](*args, POW2=bool(pow2_scales))
     return (data, scale_inv), (data_t, scale_inv_t)

@@ -29,9 +29,11 @@ The data-movement problem (N elements of bf16 in, FP8 out; the floor is 3 bytes/
   with a transposed copy (``cast_current_scaling_with_transpose``; 2-D input)
   -------------------------------------------------------------------------
   an FP8 linear layer multiplies x (and dy) row-major in one GEMM and transposed in the weight-gradient
-  GEMM; the cast kernels above then run on [BM, BK] tiles and store each tile's codes twice, as is and
-  transposed (``tl.trans``, both stores coalesced): +1 B/element written, instead of a separate transpose
-  kernel re-reading the codes (+2 B/element and a launch).
+  GEMM. By default the cast is followed by a transpose kernel of its codes (+2 B/element and a launch).
+  ``fused=True`` runs the cast kernels above on [BM, BK] tiles that store each tile's codes twice, as is
+  and through transposed addresses (Triton regroups the bytes so that both stores are coalesced): +1
+  B/element written and no launch -- yet slower on an H200 than the cast + transpose pair, so not the
+  default (the benchmark keeps the comparison).
 
 The whole tensor cannot stay on chip between amax and cast (1G bf16 = 2 GB vs ~50 MB of L2),
 so exact current scaling in one read is impossible; the speculative variant is exact *and*
@@ -57,7 +59,8 @@ import triton
 import triton.language as tl
 from tutorial_kernels import interpreted
 from tutorial_kernels.fp8_args import CastResult, check_amax_eps, check_dequantize_args, check_input, check_scale_arg
-from tutorial_kernels.fp8_round import decode_fp8, encode_fp8, to_bf16, widen_to_fp32
+from tutorial_kernels.fp8_round import decode_fp8, encode_fp8, max_keep_nan, to_bf16, widen_to_fp32
+from tutorial_kernels.transpose import transpose
 
 __all__ = ["amax", "cast_current_scaling", "cast_current_scaling_with_transpose", "cast_delayed_scaling",
            "dequantize_per_tensor", "default_block", "scale_from_amax"]
@@ -110,7 +113,7 @@ def scale_from_amax(amax, amax_eps, FMT: tl.constexpr, POW2: tl.constexpr):
         fmax = 448.0
     else:
         fmax = 57344.0
-    a = tl.maximum(amax, amax_eps, propagate_nan=tl.PropagateNan.ALL)
+    a = max_keep_nan(amax, amax_eps)  # a select, not max.NaN: the transposing kernels call this too
     scale = tl.div_rn(fmax, a)  # correctly rounded, like torch's division (plain / is approximate)
     if POW2:
         scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
@@ -196,9 +199,12 @@ def _cast_tile(x_ptr, out_ptr, out_t_ptr, M, K, scale, t, FMT: tl.constexpr, BM:
     cols = (t - tm * n_k).to(tl.int64) * BK + tl.arange(0, BK)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = widen_to_fp32(tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0))
-    q = encode_fp8(x * scale, FMT)
+    q = encode_fp8(x * scale, FMT, TRANSPOSED=True)
     tl.store(out_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
-    tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=tl.trans(mask))
+    # x.T's codes: the same tile through transposed addresses (no tl.trans). Triton's coalescing pass sees
+    # that these addresses run along the tile's rows and regroups the bytes through shared memory, so that
+    # consecutive threads still write consecutive bytes of out_t's rows.
+    tl.store(out_t_ptr + cols[None, :] * M + rows[:, None], q, mask=mask)
     return x
 
 
@@ -332,16 +338,23 @@ def _tile_config() -> tuple[int, int]:
 
 def cast_current_scaling_with_transpose(x: torch.Tensor, fmt: str = "e4m3", *, pow2: bool = False,
                                         amax_eps: float = 1e-12, reduce_amax=None,
-                                        scale_guess: torch.Tensor | None = None,
+                                        scale_guess: torch.Tensor | None = None, fused: bool = False,
                                         tile: int | None = None) -> tuple[CastResult, torch.Tensor]:
     """:func:`cast_current_scaling` of a 2-D contiguous ``x`` [M, K], plus ``x.t()``'s codes [K, M] (contiguous):
-    ``(result, data_t)`` with ``data_t`` equal to ``result.data.t().contiguous()``, written by the same cast
-    kernels (one pass over ``x`` per cast pass; no transpose kernel). Same scale rules and bytes."""
+    ``(result, data_t)`` with ``data_t`` equal to ``result.data.t().contiguous()``. Same scale rules and bytes.
+
+    Default: the cast, then ``tutorial_kernels.transpose`` of its codes (a launch and 2 B/element more).
+    ``fused=True``: the tiled cast kernels write both layouts (``tile``: their tile side) -- less traffic, but
+    slower on an H200 (``benchmarks/bench_fp8_cast.py``, case "current scaling + transposed codes")."""
     _check_kernel_input(x, fmt)
     check_amax_eps(amax_eps, fmt)
     if x.dim() != 2:
         raise ValueError(f"cast_current_scaling_with_transpose takes a 2-D [rows, features] tensor, got shape "
                          f"{tuple(x.shape)}; flatten the leading dims first")
+    if not fused:
+        res = cast_current_scaling(x, fmt, pow2=pow2, amax_eps=amax_eps, reduce_amax=reduce_amax,
+                                   scale_guess=scale_guess)
+        return res, transpose(res.data)
     m, k = x.shape
     dev = x.device
     data_t = torch.empty((k, m), dtype=torch.uint8, device=dev)

@@ -15,6 +15,18 @@ So ``encode_fp8`` picks per backend (the constexpr ``INTERPRETED``, fixed at imp
   rounding costs ~12 more instructions per element; a bf16 -> FP8 cast at HBM speed on an H200
   has a budget of only ~25 instructions per element, so it would make the kernel issue-bound.
 
+A kernel that also stores codes through *transposed* addresses must not hold the PTX ``min.NaN`` /
+``max.NaN`` instructions that ``tl.minimum(..., propagate_nan=tl.PropagateNan.ALL)`` and ``tl.clamp``
+lower to: with them in the kernel, Triton 3.6 (the GPU runs of this repository) mis-compiles the
+vectorized 1-byte transposed store -- the codes stored as is are right, the transposed copy gets
+garbage bytes. Seen on an H200 in the fused ``cast_current_scaling_with_transpose`` with fp32 input
+(its codes are regrouped through shared memory; with bf16 input Triton regroups x instead, and the
+bytes were right). Such kernels pass ``TRANSPOSED=True`` to :func:`encode_fp8` and use
+:func:`max_keep_nan` / :func:`min_keep_nan`: the same values (NaN in, NaN out) as ``tl.where``
+selects (``setp``/``selp``). Only there: the selects cost issue slots, and every other cast kernel
+keeps the one-instruction clamp. The PTX tests keep ``min.NaN``/``max.NaN`` out of the transposing
+kernels.
+
 Both give the bytes of torch's ``x.clamp(-max, max).to(fp8)``; tests check each backend, and
 ``tests/kernels/test_fp8_cast_kernels.py`` also runs ``round_to_fp8_grid`` compiled on GPUs.
 
@@ -53,9 +65,21 @@ import triton.language as tl
 from tutorial_kernels import interpreted
 
 __all__ = ["INTERPRETED", "round_to_fp8_grid", "encode_fp8", "decode_fp8", "round_to_bf16_grid", "to_bf16",
-           "widen_to_fp32"]
+           "widen_to_fp32", "min_keep_nan", "max_keep_nan"]
 
 INTERPRETED = tl.constexpr(interpreted())
+
+
+@triton.jit
+def min_keep_nan(a, b):
+    """``min(a, b)``, NaN if either is NaN -- as a select (no PTX ``min.NaN``: see the module docstring)."""
+    return tl.where((a < b) | (a != a), a, b)  # a NaN b fails the compare and is selected
+
+
+@triton.jit
+def max_keep_nan(a, b):
+    """``max(a, b)``, NaN if either is NaN -- as a select (no PTX ``max.NaN``: see the module docstring)."""
+    return tl.where((a > b) | (a != a), a, b)
 
 
 @triton.jit
@@ -79,8 +103,9 @@ def round_to_fp8_grid(x, FMT: tl.constexpr):
 
 
 @triton.jit
-def encode_fp8(x, FMT: tl.constexpr):
-    """fp32 ``x`` -> uint8 FP8 codes, equal to torch's ``x.clamp(-max, max).to(fp8)`` bytes."""
+def encode_fp8(x, FMT: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """fp32 ``x`` -> uint8 FP8 codes, equal to torch's ``x.clamp(-max, max).to(fp8)`` bytes. ``TRANSPOSED``:
+    the kernel also stores the codes through transposed addresses (clamp without ``min.NaN``/``max.NaN``)."""
     tl.static_assert(FMT == "e4m3" or FMT == "e5m2", "FMT must be 'e4m3' or 'e5m2'")
     if INTERPRETED:
         r = round_to_fp8_grid(x, FMT)  # exact grid value: the interpreter's cast cannot go wrong
@@ -89,7 +114,10 @@ def encode_fp8(x, FMT: tl.constexpr):
             fmax = 448.0
         else:
             fmax = 57344.0
-        r = tl.clamp(x, -fmax, fmax, propagate_nan=tl.PropagateNan.ALL)  # cvt.rn.satfinite rounds
+        if TRANSPOSED:  # the same clamp as selects: see the module docstring
+            r = max_keep_nan(min_keep_nan(x, fmax), -fmax)
+        else:
+            r = tl.clamp(x, -fmax, fmax, propagate_nan=tl.PropagateNan.ALL)  # cvt.rn.satfinite rounds
     if FMT == "e4m3":
         code = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:

@@ -29,6 +29,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from tutorial_kernels import interpreted
 
 from tutorial_lib.dist.launcher import launch, run_sequence
 from tutorial_lib.lessons.fp8_matmuls import step_breakdown, train_compare_fp8
@@ -146,17 +147,18 @@ def test_saving_the_fp8_input_gives_the_same_gradients_with_a_quarter_of_the_byt
     assert (torch.float32, 4 * x_numel) in saved[False]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("save", [True, False])
 @pytest.mark.parametrize("pow2", [False, True])
-def test_hybrid_casts_write_the_transposed_codes_wgrad_reads(save, pow2, monkeypatch):
-    """The hybrid recipe gets x.T's and dy.T's codes from the casts themselves (no transpose pass). Forced onto
-    the Triton kernels here (the interpreter on a CPU), outputs and gradients are those of the reference path;
-    x is cast with its transpose in forward when saved as FP8 (else in backward), dy in backward."""
+def test_hybrid_casts_write_the_transposed_codes_wgrad_reads(save, pow2, device, monkeypatch):
+    """The hybrid recipe gets x.T's and dy.T's codes with the casts (``cast_with_transpose``). With the casts
+    forced onto the Triton kernels (the interpreter on a CPU, compiled on a GPU), outputs and gradients are
+    those of the torch casts, bit for bit -- the pow2 runs include a wrong and a right scale guess. x is cast
+    with its transpose in forward when saved as FP8 (else in backward), dy in backward."""
     import tutorial_lib.matmul.fp8_linear as fl
 
+    _skip_cpu_triton_unless_interpreted(device)
     recipe = Fp8Recipe("hybrid", save_fp8_input=save, pow2_scales=pow2)
-    guess = fl.ScaleGuess()
-    ref = [_run_with_guess(recipe, guess, *_layer(recipe, "cpu", torch.bfloat16, seed=s)) for s in (0, 1)]
     calls = []
 
     class Spy(CurrentScaling):
@@ -164,40 +166,60 @@ def test_hybrid_casts_write_the_transposed_codes_wgrad_reads(save, pow2, monkeyp
             calls.append((self.fmt, tuple(t.shape)))
             return super().cast_with_transpose(t, **kw)
 
-    monkeypatch.setattr(fl, "_CASTS", {key: Spy(key[0], pow2=key[1], backend="triton") for key in fl._CASTS})
-    guess = fl.ScaleGuess()
-    got = [_run_with_guess(recipe, guess, *_layer(recipe, "cpu", torch.bfloat16, seed=s)) for s in (0, 1)]
+    def run(backend):
+        monkeypatch.setattr(fl, "_CASTS", {key: Spy(key[0], pow2=key[1], backend=backend) for key in fl._CASTS})
+        guess = fl.ScaleGuess()
+        inputs = [_layer(recipe, device, torch.bfloat16, seed=s) for s in (0, 1)]
+        inputs[1][2].data *= 4  # the second call's amax is 4x the first's: its guessed scale is wrong
+        return [_run_with_guess(recipe, guess, *i) for i in inputs + inputs[1:]]  # then a right guess
+
+    ref = run("torch")
+    calls.clear()
+    got = run("triton")
     b, s_, k, n = SHAPES["hybrid"]
     x_cast, dy_cast = ("e4m3", (b * s_, k)), ("e5m2", (b * s_, n))
-    assert calls == ([x_cast, dy_cast] if save else [dy_cast, x_cast]) * 2  # x in forward, or recast in backward
+    assert calls == ([x_cast, dy_cast] if save else [dy_cast, x_cast]) * 3  # x in forward, or recast in backward
     assert all(torch.equal(a, r) for g, rr in zip(got, ref) for a, r in zip(g, rr))
 
 
+def _skip_cpu_triton_unless_interpreted(device):
+    if device == "cpu" and not interpreted():
+        pytest.skip("Triton kernels take CPU tensors only in the interpreter (TRITON_INTERPRET=1)")
+
+
 def _run_with_guess(recipe, guess, w, bias, x, g):
-    y = fp8_linear(x, w, bias, recipe, guess)  # the second call's pow2 casts guess the first call's scales
+    y = fp8_linear(x, w, bias, recipe, guess)  # with pow2, each call's casts guess the last call's scales
     y.backward(g)
-    return y.detach(), x.grad.clone(), w.grad.clone(), bias.grad.clone()
+    out = y.detach(), x.grad.clone(), w.grad.clone(), bias.grad.clone()
+    x.grad = w.grad = bias.grad = None
+    return out
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("save", [True, False])
 @pytest.mark.parametrize("pow2", [False, True])
-def test_blockwise_reads_x_and_dy_once_for_both_block_directions(save, pow2, monkeypatch):
+def test_blockwise_quantizes_x_and_dy_in_both_block_directions_with_one_call(save, pow2, device, monkeypatch):
     """The blockwise recipe quantizes x (forward, when x is saved as FP8) and dy (backward, dgrad + wgrad) in 1x128
-    blocks along rows AND along columns with one call -- on CUDA one read of the tensor. Forced onto the Triton
-    kernel here (the interpreter on a CPU), the layer's outputs and gradients are those of the reference path."""
+    blocks along rows AND along columns with one call. Forced onto the one-read Triton kernel (the interpreter on
+    a CPU, compiled on a GPU), the layer's outputs and gradients are those of the two torch-reference
+    quantizes, bit for bit."""
     import tutorial_lib.matmul.fp8_linear as fl
     from tutorial_lib.quant.blockwise import quantize_fp8_1x128_with_transpose
 
+    _skip_cpu_triton_unless_interpreted(device)
     recipe = Fp8Recipe("blockwise", save_fp8_input=save, pow2_scales=pow2)
-    ref = _run(recipe, *_layer(recipe, "cpu", torch.bfloat16))
     calls = []
 
-    def kernel_pair(t, pow2_scales):
-        calls.append(tuple(t.shape))
-        return quantize_fp8_1x128_with_transpose(t, pow2_scales=pow2_scales, backend="triton")
+    def run(backend):
+        def pair(t, pow2_scales):
+            calls.append(tuple(t.shape))
+            return quantize_fp8_1x128_with_transpose(t, pow2_scales=pow2_scales, backend=backend, one_read=True)
+        monkeypatch.setattr(fl, "quantize_fp8_1x128_with_transpose", pair)
+        return _run(recipe, *_layer(recipe, device, torch.bfloat16))
 
-    monkeypatch.setattr(fl, "quantize_fp8_1x128_with_transpose", kernel_pair)
-    got = _run(recipe, *_layer(recipe, "cpu", torch.bfloat16))
+    ref = run("torch")
+    calls.clear()
+    got = run("triton")
     b, s_, k, n = SHAPES["blockwise"]
     assert calls == ([(b * s_, k)] if save else []) + [(b * s_, n)]  # x in forward, dy in backward
     assert all(torch.equal(a, r) for a, r in zip(got, ref))

@@ -21,15 +21,15 @@ Recipes (:class:`Fp8Recipe`):
   (E5M2 x E5M2 does not exist). x and dy are cast by :class:`~tutorial_lib.quant.float8.CurrentScaling`,
   which on CUDA runs the repository's Triton casts (amax computed in the kernels, the scale derived
   on the device, no host sync); with ``pow2_scales=True`` the one-pass speculative cast, guessing
-  each layer's previous scale (:class:`ScaleGuess`). When wgrad needs them, the cast also stores
-  x.T's and dy.T's codes (``CurrentScaling.cast_with_transpose``: tiles stored twice, no transpose kernel).
+  each layer's previous scale (:class:`ScaleGuess`). When wgrad needs them, x.T's and dy.T's codes come
+  with the cast (``CurrentScaling.cast_with_transpose``: on CUDA the cast, then a transpose of its codes).
 * ``"blockwise"``: E4M3 everywhere, one scale per 1x128 block of x and dy and per 128x128 tile of
   W (the tensors of :mod:`tutorial_lib.quant.blockwise`). wgrad contracts over the TOKENS, so it
   needs dy and x with blocks along M, i.e. 128x1 blocks: we quantize ``dy.T`` and ``x.T`` with
   1x128 blocks (from high precision, not by requantizing FP8 codes) and run a 1x128 x 1x128 GEMM;
-  this needs M % 128 == 0. On CUDA x and x.T (and dy and dy.T) come out of ONE read of the tensor
-  (``tutorial_kernels.blockwise_quant.quantize_1x128_with_transpose``). dgrad uses W.T's tiles (the
-  transposed 128x128 codes and scales, exact).
+  this needs M % 128 == 0. x and x.T (and dy and dy.T) come from one call
+  (``quantize_fp8_1x128_with_transpose``: on CUDA the 1x128 kernel on t, then on the view t.t()). dgrad
+  uses W.T's tiles (the transposed 128x128 codes and scales, exact).
 
 The weight. If the parameter already IS a quantized tensor of the recipe's format -- under FSDP2
 the unsharded weight is a :class:`~tutorial_lib.quant.float8.Float8Tensor` holding the all-gathered
@@ -201,8 +201,8 @@ def _quantize_1x128(t: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, t
 
 
 def _quantize_1x128_pair(t: torch.Tensor, recipe: Fp8Recipe):
-    """``(_quantize_1x128(t), _quantize_1x128(t.t()))`` -- on CUDA from ONE read of ``t`` (both dims are
-    multiples of 128 wherever this is called: features by the recipe, tokens by the wgrad rule)."""
+    """``(_quantize_1x128(t), _quantize_1x128(t.t()))`` (both dims are multiples of 128 wherever this is
+    called: features by the recipe, tokens by the wgrad rule)."""
     return quantize_fp8_1x128_with_transpose(t, pow2_scales=recipe.pow2_scales)
 
 
@@ -364,7 +364,7 @@ def _blockwise_backward(ctx, g2, w, x):
     """dgrad (dy in 1x128 blocks x W.T's tiles) and wgrad (dy.T and x.T in 1x128 blocks, along the tokens)."""
     recipe = ctx.recipe
     dx = dw = None
-    with _phase("quantize"):  # dy in 1x128 blocks (dgrad) and dy.T in 1x128 blocks (wgrad): one read when both
+    with _phase("quantize"):  # dy in 1x128 blocks (dgrad) and dy.T in 1x128 blocks (wgrad): one call when both
         if w is not None and x is not None:
             gq, g_t = _quantize_1x128_pair(g2, recipe)
         elif w is not None:

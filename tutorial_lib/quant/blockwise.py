@@ -128,20 +128,22 @@ def quantize_fp8_blockwise(x: torch.Tensor, block=(1, 128), *, pow2_scales: bool
     return from_blocks(q, dims).contiguous(), scale_inv.contiguous()
 
 
-def quantize_fp8_1x128_with_transpose(x: torch.Tensor, *, pow2_scales: bool = False, backend: str = "auto"):
+def quantize_fp8_1x128_with_transpose(x: torch.Tensor, *, pow2_scales: bool = False, backend: str = "auto",
+                                      one_read: bool = False):
     """``(quantize_fp8_blockwise(x, (1, 128)), quantize_fp8_blockwise(x.t(), (1, 128)))`` of a 2-D ``x`` whose
     dims are both multiples of 128: x in 1x128 blocks along its rows, and x.T in 1x128 blocks (x in 128x1
     blocks) -- what an FP8 linear layer needs of x (fprop, wgrad) and of dy (dgrad, wgrad).
 
-    ``backend`` as in :func:`quantize_fp8_blockwise`; the Triton path reads ``x`` ONCE for both
-    (``tutorial_kernels.blockwise_quant.quantize_1x128_with_transpose``), the torch path quantizes twice.
-    Same bytes and scales either way.
+    ``backend`` as in :func:`quantize_fp8_blockwise`. The Triton path runs the 1x128 kernel twice (x, then the
+    strided view x.t()); ``one_read=True`` instead reads ``x`` once for both
+    (``tutorial_kernels.blockwise_quant.quantize_1x128_with_transpose``) -- less traffic, but slower on an
+    H200 (``benchmarks/bench_blockwise_quant.py``), so not the default. Same bytes and scales on every path.
     """
     _check_backend(backend)
     if x.dim() != 2 or x.shape[0] % 128 or x.shape[1] % 128:
         raise ValueError(f"quantize_fp8_1x128_with_transpose takes a 2-D tensor with both dims multiples of 128 "
                          f"(1x128 blocks of x and of x.T), got shape {tuple(x.shape)}")
-    if _use_triton(x, backend):
+    if one_read and _use_triton(x, backend):
         return quantize_1x128_with_transpose(x, pow2_scales=pow2_scales)
     return (quantize_fp8_blockwise(x, (1, 128), pow2_scales=pow2_scales, backend=backend),
             quantize_fp8_blockwise(x.t(), (1, 128), pow2_scales=pow2_scales, backend=backend))

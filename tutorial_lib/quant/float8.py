@@ -341,8 +341,8 @@ class CurrentScaling(_PerTensorQuantizer):
                                        scale_guess=scale_guess, out=out)
 
     def cast_with_transpose(self, x: torch.Tensor, *, scale_guess=None) -> tuple[CastResult, torch.Tensor]:
-        """:meth:`cast` of a 2-D ``x`` plus the codes of ``x.t()`` (contiguous) -- on CUDA written by the same
-        cast kernels, no transpose pass (``cast_current_scaling_with_transpose``). Same bytes either way."""
+        """:meth:`cast` of a 2-D ``x`` plus the codes of ``x.t()`` (contiguous): on CUDA the Triton cast, then a
+        transpose of its codes (``cast_current_scaling_with_transpose``). Same bytes either way."""
         check_input(x, self.fmt)
         return _backend(self.backend, x).cast_current_scaling_with_transpose(
             x, self.fmt, pow2=self.pow2, amax_eps=self.amax_eps, reduce_amax=self._reduce(), scale_guess=scale_guess)
