@@ -47,7 +47,10 @@ transposed addresses (Triton regroups the bytes on chip, so both stores are coal
                              +--> amax per column --> data_t [K, M] uint8, scale_inv_t [K, M/128]  (x.T's blocks)
 
 2 B (bf16) read + 2 B written per element, where two 1x128 quantizes read x twice (4 B + 2 B); each
-result is bit-identical to :func:`quantize_1x128` of ``x`` and of ``x.t()``.
+result is bit-identical to :func:`quantize_1x128` of ``x`` and of ``x.t()``. Less traffic, yet on an H200 the
+two separate quantizes were faster (``benchmarks/bench_blockwise_quant.py``): a program holds a whole
+[128, 128] tile. So ``tutorial_lib.quant.blockwise.quantize_fp8_1x128_with_transpose`` runs this kernel
+only with ``one_read=True``.
 """
 
 from __future__ import annotations

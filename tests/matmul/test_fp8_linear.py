@@ -292,6 +292,12 @@ def test_bad_shapes_and_weights_are_refused_with_the_rule():
         fp8_linear(torch.randn(16, 64), e5)
     with pytest.raises(ValueError, match="kind"):
         Fp8Recipe("mxfp8")
+    f8 = torch.float8_e4m3fn  # raw 1-byte floats are refused before any quantize, never cast again
+    for kind, match in (("hybrid", "FP8 casts take"), ("blockwise", "high-precision float dtype")):
+        with pytest.raises(TypeError, match=match):
+            fp8_linear(torch.randn(128, 128).to(f8), torch.randn(128, 128), None, Fp8Recipe(kind))
+        with pytest.raises(TypeError, match=match):
+            fp8_linear(torch.randn(128, 128), torch.randn(128, 128).to(f8), None, Fp8Recipe(kind))
     with pytest.raises(ValueError, match="no fast accumulation"):
         Fp8Recipe("blockwise", use_fast_accum=True)
 

@@ -411,7 +411,7 @@ def _rank_environment(dev: torch.device):
             os.environ["TRITON_INTERPRET"] = before
 
 
-def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout, echo, deterministic=True) -> list:
+def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout, echo, deterministic) -> list:
     """One attempt: spawn, supervise, collect; see the module docstring for the protocol."""
     tmp = tempfile.mkdtemp(prefix="tutorial-launch-")  # mode 0700: the ranks' results and logs are private
     try:

@@ -191,7 +191,8 @@ def _hybrid_weight(weight: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tenso
 def _blockwise_weight(weight: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(weight, FP8Blockwise128x128Tensor):
         return _codes(weight)
-    return _high_precision(weight, quantize_fp8_blockwise(weight, (128, 128), pow2_scales=recipe.pow2_scales))
+    _require_high_precision(weight)
+    return quantize_fp8_blockwise(weight, (128, 128), pow2_scales=recipe.pow2_scales)
 
 
 def _quantize_1x128(t: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,11 +207,10 @@ def _quantize_1x128_pair(t: torch.Tensor, recipe: Fp8Recipe):
     return quantize_fp8_1x128_with_transpose(t, pow2_scales=recipe.pow2_scales)
 
 
-def _high_precision(t: torch.Tensor, codes):
-    """``codes`` of ``t``, refusing a 1-byte float ``t`` as a quantized tensor's nominal dtype is refused."""
+def _require_high_precision(t: torch.Tensor) -> None:
+    """Refuse a 1-byte float ``t`` before quantizing it, as a quantized tensor's nominal dtype is refused."""
     if t.dtype.itemsize < 2:
         raise TypeError(f"nominal dtype must be a high-precision float dtype (fp32/bf16/fp16), got {t.dtype}")
-    return codes
 
 
 _WGRAD_TOKEN_MULTIPLE = {"hybrid": 16, "blockwise": 128}
@@ -289,10 +289,11 @@ class _Fp8LinearFn(torch.autograd.Function):
                 x_codes = (x_t, xq.scale_inv)
         else:
             with _phase("quantize"):
+                _require_high_precision(x2)
                 if want_w and recipe.save_fp8_input:  # x for fprop AND x.T in 1x128 blocks (x in 128x1) for wgrad
-                    xq, x_codes = _high_precision(x2, _quantize_1x128_pair(x2, recipe))
+                    xq, x_codes = _quantize_1x128_pair(x2, recipe)
                 else:
-                    xq = _high_precision(x2, _quantize_1x128(x2, recipe))
+                    xq = _quantize_1x128(x2, recipe)
                 w_data, w_scale = _blockwise_weight(weight, recipe)
             with _phase("fprop"):
                 check_blockwise_codes(*xq, w_data, w_scale, x.dtype, recipe.use_fast_accum)
