@@ -22,12 +22,14 @@ setup-dev:
 lessons: setup
 	$(PY) -m tutorial_lib.harness.notebooks run $(LESSONS) $(ARGS)
 
+# Tools run as modules of $(PY), never as $(VENV)/bin scripts: a venv that reuses another environment's
+# packages (scripts/bootstrap.sh) gets no scripts for what that environment already has.
 lab: setup-lab
-	$(VENV)/bin/jupyter lab notebooks/ $(ARGS)
+	$(PY) -m jupyterlab notebooks/ $(ARGS)
 
 lint: setup-dev
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/lint-imports
+	$(PY) -m ruff check .
+	$(PY) -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
 
 test: lint
 	$(PY) -m pytest $(ARGS)

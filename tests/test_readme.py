@@ -42,7 +42,8 @@ EXERCISED = {
     ".venv/bin/python -m tutorial_lib.harness.notebooks run notebooks/00_start_here.ipynb --device cpu "
     "--world-size 2 --quick":
         "test_run_one_lesson_cli",
-    ".venv/bin/papermill notebooks/00_start_here.ipynb output/00.ipynb -k python3 -p device cpu -p world_size 2 "
+    ".venv/bin/python -m papermill notebooks/00_start_here.ipynb output/00.ipynb -k python3 -p device cpu "
+    "-p world_size 2 "
     "-p quick True": "test_papermill_command",
     'make test ARGS="--nb-device cuda"': "test_gpu_commands",
     ".venv/bin/python -m tutorial_lib.harness.notebooks run --device cuda --world-size 2 --full": "test_gpu_commands",
@@ -86,7 +87,7 @@ def test_make_lab():
     venv = Path(sys.prefix)
     r = _run(f"make lab VENV={venv} ARGS=--version")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"{venv}/bin/jupyter lab notebooks/ --version" in r.stdout, r.stdout
+    assert f"{venv}/bin/python -m jupyterlab notebooks/ --version" in r.stdout, r.stdout
     assert re.search(r"^\d+\.\d+\.\d+\s*$", r.stdout, flags=re.M), r.stdout  # the version line (make may add
     # "Entering directory" lines when it runs inside another make, as under `make test`)
     r = _run(f"{VENV_BIN}/jupyter kernelspec list --json")

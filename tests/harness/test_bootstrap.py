@@ -56,3 +56,10 @@ def test_bootstrap_reuses_the_torch_of_a_parent_virtual_environment(tmp_path):
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "installing" not in again.stdout, again.stdout
+
+    # `make lint` in that environment: the dev tools come from the parent too, so the child's bin/ holds no
+    # ruff or lint-imports scripts -- the Makefile must run them as modules
+    lint = subprocess.run(["make", "lint", f"VENV={child}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert lint.returncode == 0, lint.stdout[-3000:] + lint.stderr[-3000:]
+    assert not (child / "bin" / "ruff").exists(), "ruff was installed again: this no longer tests the reuse case"
