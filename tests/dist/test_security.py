@@ -18,6 +18,7 @@ folder on ``sys.path``, and ``spawn`` hands it to every child).
 
 import ast
 import datetime
+import enum
 import ipaddress
 import os
 import pathlib
@@ -32,6 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch import nn
 
 from tutorial_lib.dist.checkpoint import (
@@ -307,6 +309,45 @@ def test_load_checkpoint_refuses_a_metadata_file_that_would_run_code(tmp_path):
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata was refused: it asks for pathlib\.Path\.touch"):
         load_checkpoint({"w": torch.zeros(4)}, path)
     assert not marker.exists(), "load_checkpoint ran the metadata's code"
+
+
+class _EnumByGetattr(pickle.Pickler):
+    """Pickles enum members as ``getattr(EnumClass, "NAME")``, as some Pythons (3.11.2) do by themselves."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, enum.Enum):
+            return getattr, (type(obj), obj.name)
+        return NotImplemented
+
+
+class _Getattr:
+    """A pickle that calls ``getattr(cls, name)`` -- for a lookup that is not an enum member."""
+
+    def __init__(self, cls, name):
+        self.cls, self.name = cls, name
+
+    def __reduce__(self):
+        return getattr, (self.cls, self.name)
+
+
+def test_metadata_with_enum_members_pickled_by_getattr_loads_and_other_getattrs_are_refused(tmp_path):
+    """Whichever way the Python that saved a checkpoint pickles DCP's enum members, load_checkpoint reads it;
+    a getattr that is not an enum member's lookup stays refused."""
+    path = tmp_path / "ckpt"
+    save_checkpoint({"w": torch.arange(4.0)}, path)
+    with open(path / ".metadata", "rb") as fh:
+        metadata = pickle.load(fh)  # our own checkpoint: trusted here
+    with open(path / ".metadata", "wb") as fh:
+        _EnumByGetattr(fh).dump(metadata)
+    assert b"getattr" in (path / ".metadata").read_bytes()
+    target = {"w": torch.zeros(4)}
+    load_checkpoint(target, path)
+    assert torch.equal(target["w"], torch.arange(4.0))
+    for cls, name in ((pathlib.PosixPath, "touch"), (dcp_metadata._MEM_FORMAT_ENCODING, "__class__")):
+        with open(path / ".metadata", "wb") as fh:
+            pickle.dump(_Getattr(cls, name), fh)
+        with pytest.raises(UnsafeCheckpointError, match=r"\.metadata was refused: it calls getattr"):
+            load_checkpoint({"w": torch.zeros(4)}, path)
 
 
 def test_a_training_checkpoint_with_fused_adam_loads_exactly(tmp_path, one_thread):

@@ -122,11 +122,24 @@ _METADATA_GLOBALS = {
 }
 
 
+def _enum_member(cls, name):
+    """``builtins.getattr`` as a ``.metadata`` pickle may use it: some Pythons (3.11.2, for one) pickle an enum
+    member as ``getattr(EnumClass, "NAME")`` -- DCP's ``_MEM_FORMAT_ENCODING`` members in every tensor's
+    properties. Only that: a member, by name, of an enum class the unpickler already let through."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise UnsafeCheckpointError(
+        f".metadata was refused: it calls getattr({getattr(cls, '__name__', type(cls).__name__)}, {name!r}), which "
+        "is not the lookup of an enum member; unpickling it could run code, so it was not loaded", ".metadata")
+
+
 def _metadata_global(module: str, name: str):
     """What a DCP ``.metadata`` pickle may name: plain-data classes and value lookups, nothing that acts."""
     obj = _METADATA_GLOBALS.get((module, name))
     if obj is not None:
         return obj
+    if (module, name) == ("builtins", "getattr"):
+        return _enum_member
     if module == "torch":  # dtypes, layouts, memory formats pickle as torch.<name>
         obj = getattr(torch, name, None)
         return obj if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) else None
