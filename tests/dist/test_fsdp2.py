@@ -19,12 +19,16 @@ where GPUs are visible -- and the tests then check the results:
   with copy_ breaks backward (the version-counter trap), aliasing does not.
 """
 
+import inspect
+
 import pytest
+import torch
 
 from tutorial_lib.dist.fsdp2 import attach_fsdp2_hooks, hook_form, installed_pre_all_gather_form
 from tutorial_lib.dist.launcher import launch, run_sequence
 from tutorial_lib.dist.runtime import resolve_device
 from tutorial_lib.lessons.fsdp2_quantized_init import allgather_demo, pitfall_demo, train_compare
+from tutorial_lib.quant.float8 import CurrentScaling
 
 pytestmark = pytest.mark.distributed
 
@@ -106,6 +110,26 @@ def test_hook_form_of_this_torch_is_attached():
     assert hook_form() == "5-arg"
     with pytest.raises(ValueError, match="form must be"):
         attach_fsdp2_hooks("2-arg")
+    assert hook_form() == "5-arg"
+
+
+@pytest.mark.parametrize("form, n_params", [("1-arg", 1), ("5-arg", 5)])
+def test_hook_signature_is_stored_and_true(form, n_params):
+    """FSDP2 reads inspect.signature of the bound hook at every all-gather to choose how to call it: the stored
+    signature must be the function's own (else FSDP2 would call it wrongly) and leave the count FSDP2 checks."""
+    t = CurrentScaling("e4m3").quantize(torch.randn(4, 16))
+    try:
+        attach_fsdp2_hooks(form)
+        hook = type(t).fsdp_pre_all_gather
+        stored = hook.__dict__["__signature__"]
+        del hook.__signature__
+        try:
+            assert stored == inspect.signature(hook)  # what inspect computes without it
+        finally:
+            hook.__signature__ = stored
+        assert len(inspect.signature(t.fsdp_pre_all_gather).parameters) == n_params  # bound: self dropped
+    finally:
+        attach_fsdp2_hooks()
     assert hook_form() == "5-arg"
 
 

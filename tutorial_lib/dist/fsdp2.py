@@ -338,7 +338,11 @@ def attach_fsdp2_hooks(form: str | None = None) -> str:
     form = form or installed_pre_all_gather_form()
     if form not in ("5-arg", "1-arg"):
         raise ValueError(f"form must be '5-arg' or '1-arg', got {form!r}")
-    QuantizedTensor.fsdp_pre_all_gather = _fsdp_pre_all_gather if form == "5-arg" else _fsdp_pre_all_gather_1arg
+    hook = _fsdp_pre_all_gather if form == "5-arg" else _fsdp_pre_all_gather_1arg
+    # FSDP2 calls inspect.signature(hook) at EVERY all-gather to pick the calling form; a stored
+    # __signature__ turns that parse of the function into a lookup (host time, once per weight per unshard)
+    hook.__signature__ = inspect.signature(hook)
+    QuantizedTensor.fsdp_pre_all_gather = hook
     QuantizedTensor.fsdp_post_all_gather = _fsdp_post_all_gather
     _form = form
     return form
