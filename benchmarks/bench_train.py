@@ -26,6 +26,7 @@ a run is in (the device busy fraction).
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 
 import torch
@@ -94,7 +95,10 @@ def main(argv=None) -> None:
                       "format": f, "matmul": r.matmul, "val_loss": r.final_val_loss, "tokens_per_s": r.tokens_per_s,
                       "peak_memory_bytes": r.peak_memory_bytes, "losses": r.losses})
     path = write_results(out, "train", cases, copy_bandwidth_GBps(device),
-                         extra={"world_size": ws, "size": size, "steps": steps, "failed": failed})
+                         extra={"world_size": ws, "size": size, "steps": steps, "failed": failed,
+                                # the ranks keep this process's environment (deterministic=False): record the
+                                # cuBLAS setting that costs host time per GEMM, so that runs can be told apart
+                                "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")})
     print("results:", path)
 
 
