@@ -8,7 +8,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from tutorial_lib.harness.kernel_ranges import LAUNCH_CALL, kernel_time_by_range
+from tutorial_lib.harness.kernel_ranges import LAUNCH_CALL, exact_name, kernel_time_by_range
 
 CPU, CUDA = DeviceType.CPU, DeviceType.CUDA
 
@@ -136,3 +136,12 @@ def test_triton_kernels_on_the_gpu_are_attributed_to_their_ranges():
     assert t.kernels["r"] == 2 and t.device_us["r"] == pytest.approx(span[0] + span[1])
     assert t.kernels["other"] == 2 and t.device_us["other"] == pytest.approx(span[2] + span[3])
     assert t.kernels["aten"] == 1 and t.device_us["aten"] > 0
+
+
+def test_exact_name_matches_one_label_and_nothing_else():
+    """Range labels hold regex characters ("fp8_linear.quantize", "FSDP::all_gather (1)"): escaped, whole."""
+    p = exact_name("fp8_linear.quantize")
+    assert p.match("fp8_linear.quantize")
+    assert not p.match("fp8_linearXquantize") and not p.match("fp8_linear.quantize_t")
+    assert not p.match("x fp8_linear.quantize")
+    assert exact_name("a (1)+").match("a (1)+") and not exact_name("a (1)+").match("a 1")

@@ -35,7 +35,7 @@ Example::
         with record_function("cast"):
             y = my_triton_cast(x)
         torch.cuda.synchronize()
-    t = kernel_time_by_range(prof.events(), {"cast": re.compile("^cast$")})
+    t = kernel_time_by_range(prof.events(), {"cast": exact_name("cast")})
     t.device_us["cast"], t.kernels["cast"], t.unlinked
 """
 
@@ -48,7 +48,7 @@ from collections import defaultdict
 
 from torch.autograd import DeviceType
 
-__all__ = ["LAUNCH_CALL", "RangeKernelTime", "kernel_time_by_range"]
+__all__ = ["LAUNCH_CALL", "RangeKernelTime", "exact_name", "kernel_time_by_range"]
 
 LAUNCH_CALL = re.compile(r"^cu(da)?[A-Z]")
 """Names of CUDA runtime/driver API calls (``cudaLaunchKernel``, ``cuLaunchKernelEx``, ``cudaMemcpyAsync``, ...).
@@ -85,6 +85,11 @@ class _Intervals:
 
 def _is_device_activity(e) -> bool:
     return e.device_type == DeviceType.CUDA and not e.is_user_annotation
+
+
+def exact_name(name: str) -> re.Pattern:
+    """The pattern of one range name, exactly (``record_function`` labels hold dots and other regex characters)."""
+    return re.compile(rf"^{re.escape(name)}$")
 
 
 def kernel_time_by_range(events, ranges: dict[str, re.Pattern], *, same_thread: bool = True) -> RangeKernelTime:

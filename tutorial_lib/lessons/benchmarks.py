@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import statistics
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.dist.quantized_init import build_sharded_plain
 from tutorial_lib.harness.bench import alternating_case, copy_bandwidth_GBps, median_ms_all_ranks, turn_order
-from tutorial_lib.harness.kernel_ranges import kernel_time_by_range
+from tutorial_lib.harness.kernel_ranges import exact_name, kernel_time_by_range
 from tutorial_lib.models import BlockMLP
 from tutorial_lib.optim.adamw_reference import adam_bytes_per_element
 from tutorial_lib.optim.fused_adam import FusedAdam
@@ -322,7 +321,7 @@ def fsdp2_step_profile(dim: int = 64, hidden: int = 256, n_blocks: int = 2, batc
     # device_time_total counts only kernels of torch operators); backward launches on autograd's thread
     device = {}
     if dev.type == "cuda":
-        us = kernel_time_by_range(prof.events(), {k: re.compile(rf"^{k}$") for k in phases}, same_thread=False)
+        us = kernel_time_by_range(prof.events(), {k: exact_name(k) for k in phases}, same_thread=False)
         device = {k: v / 1e3 for k, v in us.device_us.items()}
     collectives = {name: count_events(prof, needle) for name, needle in
                    (("all_gather", "c10d::_allgather_base_"), ("reduce_scatter", "c10d::_reduce_scatter_base_"),

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from tutorial_lib.dist import quantized_init as qi
 from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.harness.bench import median_ms_all_ranks, profiled_range_ms
+from tutorial_lib.harness.kernel_ranges import exact_name
 from tutorial_lib.matmul.fp8_linear import PROFILE_LABELS
 from tutorial_lib.matmul.scaled_mm import GEMM_CALLS
 from tutorial_lib.models import BlockMLP, counter_uniform, local_rows
@@ -275,7 +276,7 @@ def train_compare_fp8(recipe: str = "hybrid", *, dim: int | None = None, hidden:
 
 # ----------------------------------------------------------------------------- step breakdown
 
-PHASE_RANGES = {**{label.split(".", 1)[1] + "_ms": re.compile(rf"^{re.escape(label)}$") for label in PROFILE_LABELS},
+PHASE_RANGES = {**{label.split(".", 1)[1] + "_ms": exact_name(label) for label in PROFILE_LABELS},
                 "all_gather_ms": re.compile(r"^FSDP::all_gather( |$)"),
                 "reduce_scatter_ms": re.compile(r"^FSDP::post_backward_reduce( |$)")}
 """``StepPhases`` field -> the ``torch.profiler`` range names it sums: the FP8 linear's own, and FSDP2's."""

@@ -53,7 +53,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import importlib
-import re
 
 import torch
 import torch.distributed as dist
@@ -63,6 +62,7 @@ from torch.profiler import record_function
 from tutorial_lib.dist import quantized_init as qi
 from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.harness.bench import median_ms_all_ranks, profiled_range_ms
+from tutorial_lib.harness.kernel_ranges import exact_name
 from tutorial_lib.lessons.fp8_matmuls import PHASE_RANGES, WEIGHT_FORMATS
 from tutorial_lib.models import BlockMLP, counter_uniform
 from tutorial_lib.optim.fused_adam import FusedAdam
@@ -80,7 +80,7 @@ TORCHAO_VARIANTS = {"torchao_tensorwise": False, "torchao_tensorwise_fp8_gather"
 OPTIMIZER_RANGE = "fsdp2_step.optimizer"
 """``torch.profiler`` range around ``opt.step()`` + ``opt.zero_grad()`` (+ torchao's scale precompute)."""
 
-_RANGES = {**PHASE_RANGES, "optimizer_ms": re.compile(rf"^{re.escape(OPTIMIZER_RANGE)}$")}
+_RANGES = {**PHASE_RANGES, "optimizer_ms": exact_name(OPTIMIZER_RANGE)}
 
 
 # ----------------------------------------------------------------------------- result types

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import re
 import time
 import traceback
 import warnings
@@ -40,7 +39,7 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from tutorial_lib.harness.kernel_ranges import kernel_time_by_range
+from tutorial_lib.harness.kernel_ranges import exact_name, kernel_time_by_range
 from tutorial_lib.train.data import TextData
 from tutorial_lib.train.loop import STEP_PHASES, TrainConfig, build_model_and_optimizer, train_mesh, train_step
 
@@ -148,7 +147,7 @@ def profile_training(cfg: TrainConfig, warmup: int = 3, steps: int = 3, row_limi
         # a kernel belongs to the phase the host was in when it launched it, Triton's included (their
         # launches belong to no torch operator); backward runs on autograd's thread, so a kernel is matched to
         # the train.backward range by the time window alone (the phases never overlap)
-        patterns = {name: re.compile(rf"^{re.escape(name)}$") for name in STEP_PHASES}
+        patterns = {name: exact_name(name) for name in STEP_PHASES}
         device_us = kernel_time_by_range(events, patterns, same_thread=False).device_us
     averages = prof.key_averages()
     phases = {name: (sum(r.elapsed_us() for r in ranges[name]) / 1e3 / steps, device_us[name] / 1e3 / steps)
