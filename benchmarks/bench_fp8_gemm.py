@@ -17,10 +17,16 @@ derived error bound; the largest ``|err| / bound`` is recorded. Each case record
 traffic (FP8 operands + scales read, bf16 output written). Targets: >= 90% of torch's blockwise
 throughput and >= 1.4x bf16 cuBLAS.
 
+``--wgrad`` times the weight gradient's pairing instead (results ``fp8_gemm_wgrad-*.json``): dW [N, K] =
+dy.T [N, M] @ x.T [K, M].T contracts over the M tokens, so BOTH operands carry 1x128 blocks along the
+tokens (``blockwise_fp8_gemm(..., b_block=(1, 128))``), against torch's ``scaled_mm`` with
+BlockWise1x128 x BlockWise1x128 and bf16 cuBLAS, at the shapes of the FSDP2 step benchmark's layers.
+
 Run on a GPU (results into benchmarks/results/)::
 
     python benchmarks/bench_fp8_gemm.py
     python benchmarks/bench_fp8_gemm.py --sweep     # also time every tuning config of the kernel
+    python benchmarks/bench_fp8_gemm.py --wgrad     # the 1x128 x 1x128 pairing of the weight gradient
     python benchmarks/bench_fp8_gemm.py --quick     # tiny shapes, CPU ok (interpreter), temp dir
 """
 
@@ -45,6 +51,8 @@ from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
 from tutorial_lib.quant.per_tensor import cast_current_scaling
 
 SHAPES = [(8192, 8192, 8192), (16384, 4096, 16384), (8192, 16384, 4096)]  # M, N, K
+# wgrad of the step benchmark's layers (4096 -> 16384 -> 4096, 8192 tokens): dW [out, in], K = tokens
+WGRAD_SHAPES = [(16384, 4096, 8192), (4096, 16384, 8192), (8192, 8192, 8192)]
 QUICK_SHAPES = [(48, 256, 256)]
 CHECK_ROWS = 256  # rows of the output checked against the float64 reference
 
@@ -53,6 +61,7 @@ BF16 = "bf16 cuBLAS"
 PER_TENSOR = "torch._scaled_mm per-tensor e4m3 fast-accum"
 TORCH_BLOCKWISE = "torch scaled_mm blockwise 1x128 x 128x128"
 TORCH_BLOCKWISE_FAST = "torch scaled_mm blockwise 1x128 x 128x128 fast-accum"
+TORCH_WGRAD = "torch scaled_mm blockwise 1x128 x 1x128"
 
 
 def torch_blockwise_mm(a, sa, b, sb, out_dtype=torch.bfloat16, use_fast_accum=False):
@@ -74,12 +83,12 @@ def _inputs(M, N, K, device, seed):
     return x.to(torch.bfloat16), w.to(torch.bfloat16)
 
 
-def _max_err_over_bound(out, a, sa, b, sb, inner_u) -> float:
+def _max_err_over_bound(out, a, sa, b, sb, inner_u, b_block=(128, 128)) -> float:
     rows = min(CHECK_ROWS, a.shape[0])
     a, sa = a[:rows], sa[:rows]
-    ref = blockwise_fp8_gemm_reference(a, sa, b, sb, out_dtype=torch.float64)
+    ref = blockwise_fp8_gemm_reference(a, sa, b, sb, out_dtype=torch.float64, b_block=b_block)
     bound = gemm_error_bound(dequantize_blockwise_f64(a, sa, (1, 128)).abs(),
-                             dequantize_blockwise_f64(b, sb, (128, 128)).abs(), a.shape[1], block_k=128,
+                             dequantize_blockwise_f64(b, sb, b_block).abs(), a.shape[1], block_k=128,
                              inner_unit_roundoff=inner_u, out_dtype=out.dtype, reference=ref)
     return float(((out[:rows].double() - ref).abs() / bound).max())
 
@@ -175,10 +184,58 @@ def run_shape(M, N, K, device, copy, rounds, sweep) -> dict:
     return c
 
 
+def run_wgrad_shape(M, N, K, device, copy, rounds) -> dict:
+    """dW-like ``out [M, N] = a [M, K] @ b [N, K].T`` with 1x128 blocks on both (K = tokens): ours vs peers."""
+    dy_t, x_t = _inputs(M, N, K, device, seed=M + N + K + 1)  # dy.T [M, K] (outlier tokens) and x.T [N, K]
+    a, sa = quantize_fp8_blockwise(dy_t, (1, 128))
+    b, sb = quantize_fp8_blockwise(x_t, (1, 128))
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=device)
+    inner_u = FP8_TENSOR_CORE_UNIT_ROUNDOFF if device.type == "cuda" else FP32_UNIT_ROUNDOFF
+    fns = {OURS: lambda: k.blockwise_fp8_gemm(a, sa, b, sb, out=out, b_block=(1, 128))}
+    fns[OURS]()  # autotune outside the timing
+    checks = {"ours_max_err_over_bound": _max_err_over_bound(out, a, sa, b, sb, inner_u, (1, 128))}
+    if checks["ours_max_err_over_bound"] > 1:
+        raise AssertionError(f"wgrad {M}x{N}x{K}: our GEMM exceeds the error bound ({checks})")
+    fns[BF16] = lambda: dy_t @ x_t.t()
+    errors = {}
+    try:
+        from torch.nn.functional import ScalingType, scaled_mm
+
+        sa_om, sb_om = sa.t().contiguous().t(), sb.t().contiguous().t()  # [rows, K/128], outer-dim-major
+        a8, b8 = a.view(torch.float8_e4m3fn), b.view(torch.float8_e4m3fn).t()
+
+        def theirs():
+            return scaled_mm(a8, b8, sa_om, ScalingType.BlockWise1x128, sb_om, ScalingType.BlockWise1x128,
+                             output_dtype=torch.bfloat16)
+
+        checks["torch_max_err_over_bound"] = _max_err_over_bound(theirs(), a, sa, b, sb, inner_u, (1, 128))
+        fns[TORCH_WGRAD] = theirs
+    except (RuntimeError, ValueError, NotImplementedError, ImportError) as exc:
+        errors[TORCH_WGRAD] = str(exc).splitlines()[0][:200]
+    times = {name: [] for name in fns}
+    for r in range(rounds):
+        for name in turn_order(fns, r):
+            times[name].append(bench_ms(fns[name]))
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    tflops = {name: round(2 * M * N * K / (v * 1e-3) / 1e12, 1) for name, v in ms.items()}
+    nbytes = M * K + N * K + 4 * (M + N) * (K // 128) + 2 * M * N
+    c = case(f"wgrad {M}x{N}x{K} (MxNxK, K = tokens) 1x128 x 1x128, bf16 out", ms[OURS],
+             peers={n: v for n, v in ms.items() if n != OURS}, nbytes=nbytes, copy_GBps=copy)
+    c.update({"M": M, "N": N, "K": K, "tflops": tflops[OURS],
+              "peers_tflops": {n: v for n, v in tflops.items() if n != OURS}, "rounds_ms": times, **checks})
+    if errors:
+        c["peer_errors"] = errors
+    print(f"{c['name']:48s} ours {ms[OURS]:.3f} ms {tflops[OURS]:7.1f} TFLOPS  peers "
+          + ", ".join(f"{n} {ms[n]:.3f} ms {tflops[n]:.1f}" for n in ms if n != OURS) + f"  checks {checks}",
+          flush=True)
+    return c
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny shapes; runs on CPU in the Triton interpreter")
     p.add_argument("--sweep", action="store_true", help="also time every tuning config of our kernel")
+    p.add_argument("--wgrad", action="store_true", help="the weight gradient's 1x128 x 1x128 pairing instead")
     p.add_argument("--rounds", type=int, default=None, help="alternating timing rounds (default 3, --quick 1)")
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results; --quick: a temp dir)")
     args = p.parse_args()
@@ -189,6 +246,13 @@ def main() -> None:
     copy = copy_bandwidth_GBps(device)
     print(f"FP8 blockwise GEMM on {device}; copy {copy:.0f} GB/s", flush=True)
     sweep = args.sweep and device.type == "cuda"  # the interpreter's timings say nothing about configs
+    if args.wgrad:
+        cases = [run_wgrad_shape(M, N, K, device, copy, rounds) for M, N, K in (QUICK_SHAPES if args.quick
+                                                                                  else WGRAD_SHAPES)]
+        path = write_results(out, "fp8_gemm_wgrad", cases, copy, extra={
+            "quick": args.quick, "out_dtype": "bfloat16", "recipe": "e4m3, a 1x128, b 1x128 (K = tokens), fp32 scales"})
+        print(f"wrote {path}")
+        return
     cases = [run_shape(M, N, K, device, copy, rounds, sweep) for M, N, K in shapes]
     path = write_results(out, "fp8_gemm", cases, copy, extra={"quick": args.quick, "out_dtype": "bfloat16",
                                                               "recipe": "e4m3, a 1x128, b 128x128, fp32 scales"})

@@ -60,9 +60,14 @@ Interpreter (CPU): Triton's interpreter gets low-precision ``tl.dot`` wrong, so 
 are decoded to fp32 (``tutorial_kernels.fp8_round.decode_fp8``, exact) and multiplied with an fp32
 ``ieee`` dot; one small fixed config.
 
+The weight gradient's GEMM (``b_block=(1, 128)``): dW = dy.T @ x contracts over the tokens, so both of
+its operands are activation-like, quantized in 1x128 blocks along the tokens -- ``b`` carries a scale
+per ROW and k-block, ``b_scale_inv`` [N, K/128]. The same loop, with a vector of B scales per k-block:
+``acc += d * sa[:, kb, None] * sb[None, cols, kb]`` (one multiply per accumulator element either way).
+
 Shape rules (ValueError naming the rule otherwise): uint8 codes and fp32 scales, ``K % 128 == 0``,
-``N % 128 == 0``, ``a_scale_inv`` [M, K/128] and ``b_scale_inv`` [N/128, K/128] (any strides),
-``a`` and ``b`` row-major contiguous; M is arbitrary (ragged rows are masked).
+``N % 128 == 0``, ``a_scale_inv`` [M, K/128] and ``b_scale_inv`` [N/128, K/128] (``b_block=(1, 128)``:
+[N, K/128]; any strides), ``a`` and ``b`` row-major contiguous; M is arbitrary (ragged rows are masked).
 
 Example::
 
@@ -71,6 +76,9 @@ Example::
     a, sa = quantize_fp8_blockwise(x, (1, 128))          # x [M, K] activations
     b, sb = quantize_fp8_blockwise(w, (128, 128))        # w [N, K], the nn.Linear weight
     y = blockwise_fp8_gemm(a, sa, b, sb)                 # bf16 [M, N] ~= x @ w.T
+    g, sg = quantize_fp8_blockwise(dy.t(), (1, 128))     # wgrad: dy.T [N, M] and x.T [K, M], 1x128 along M
+    xt, sxt = quantize_fp8_blockwise(x.t(), (1, 128))
+    dw = blockwise_fp8_gemm(g, sg, xt, sxt, b_block=(1, 128))   # [N, K] ~= dy.T @ x
 """
 
 from __future__ import annotations
@@ -83,12 +91,14 @@ import triton.language as tl
 from tutorial_kernels import interpreted
 from tutorial_kernels.fp8_round import decode_fp8, to_bf16
 
-__all__ = ["SCALE_BLOCK", "OUT_DTYPES", "check_blockwise_gemm_operands", "blockwise_fp8_gemm", "default_config",
-           "tuning_configs"]
+__all__ = ["SCALE_BLOCK", "OUT_DTYPES", "B_BLOCKS", "check_blockwise_gemm_operands", "blockwise_fp8_gemm",
+           "default_config", "tuning_configs"]
 
 SCALE_BLOCK = 128
 """Elements per scale along K, and rows per weight tile: also the kernel's BLOCK_K."""
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+B_BLOCKS = ((128, 128), (1, 128))
+"""Scale blocks of ``b``: 128x128 tiles (a weight: fprop, dgrad) or 1x128 blocks (wgrad's activation-like operand)."""
 
 
 # --------------------------------------------------------------------------- kernel
@@ -126,6 +136,15 @@ def _block_dot(a, b, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _scales(sa, sb, B_ROWS: tl.constexpr):
+    """The [rows, cols] multiplier of one k-block's dot: sa per row times sb (one per column, or one)."""
+    if B_ROWS:
+        return sa[:, None] * sb[None, :]
+    else:
+        return (sa * sb)[:, None]
+
+
+@triton.jit
 def _store_tile(c_ptr, acc, rows, cols, M, N, OUT_BF16: tl.constexpr):
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
     if OUT_BF16:
@@ -138,7 +157,8 @@ def _store_tile(c_ptr, acc, rows, cols, M, N, OUT_BF16: tl.constexpr):
 @triton.jit
 def _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, K,
                s_am, s_ak, s_bn, s_bk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-               USE_TMA: tl.constexpr, INTERPRETED: tl.constexpr, OUT_BF16: tl.constexpr, WS: tl.constexpr):
+               USE_TMA: tl.constexpr, INTERPRETED: tl.constexpr, OUT_BF16: tl.constexpr, WS: tl.constexpr,
+               B_ROWS: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of out. BLOCK_N = 256 is two 128-wide halves (two weight tiles), each
     with its own dot, scale and accumulator: a [BLOCK_M, 128] dot result is all that is ever live next
     to the accumulators."""
@@ -159,7 +179,10 @@ def _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, 
     a_ptrs = a_ptr + rows_ld.to(tl.int64)[:, None] * K + ks[None, :]
     b_ptrs = b_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
     sa_ptrs = sa_ptr + rows_ld * s_am
-    sb_ptr0 = sb_ptr + (col0 // 128) * s_bn  # the tile (or its first half) lies in ONE weight tile
+    if B_ROWS:  # 1x128 blocks of b: a scale per column of the output tile and k-block
+        sb_ptr0 = sb_ptr + cols * s_bn
+    else:  # 128x128 tiles: the output tile (or its first half) lies in ONE weight tile, one scale per k-block
+        sb_ptr0 = sb_ptr + (col0 // 128) * s_bn
     acc = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
     if BLOCK_N == 256:
         acc1 = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
@@ -168,11 +191,11 @@ def _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, 
         sa = tl.load(sa_ptrs + kb * s_ak)
         b = _load_tile(b_ptrs, b_desc, col0, kb, USE_TMA)
         sb = tl.load(sb_ptr0 + kb * s_bk)
-        acc += _block_dot(a, b, INTERPRETED) * (sa * sb)[:, None]  # promote: rescale, add in fp32
+        acc += _block_dot(a, b, INTERPRETED) * _scales(sa, sb, B_ROWS)  # promote: rescale, add in fp32
         if BLOCK_N == 256:
             b1 = _load_tile(b_ptrs + 128 * K, b_desc, col0 + 128, kb, USE_TMA)
-            sb1 = tl.load(sb_ptr0 + s_bn + kb * s_bk)
-            acc1 += _block_dot(a, b1, INTERPRETED) * (sa * sb1)[:, None]
+            sb1 = tl.load(sb_ptr0 + (128 if B_ROWS else 1) * s_bn + kb * s_bk)  # the second half's rows / tile
+            acc1 += _block_dot(a, b1, INTERPRETED) * _scales(sa, sb1, B_ROWS)
     _store_tile(c_ptr, acc, rows, cols, M, N, OUT_BF16)
     if BLOCK_N == 256:
         _store_tile(c_ptr, acc1, rows, cols + 128, M, N, OUT_BF16)
@@ -182,7 +205,8 @@ def _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, 
 def _blockwise_fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, s_am, s_ak, s_bn, s_bk,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
                                USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, OCCUPANCY: tl.constexpr,
-                               INTERPRETED: tl.constexpr, OUT_BF16: tl.constexpr, WS: tl.constexpr = False):
+                               INTERPRETED: tl.constexpr, OUT_BF16: tl.constexpr, WS: tl.constexpr = False,
+                               B_ROWS: tl.constexpr = False):
     """Non-persistent: program i computes tile i. PERSISTENT: OCCUPANCY programs per SM (the launcher sizes
     the grid from it; the kernel only strides by the grid) each walk the tiles."""
     if USE_TMA:
@@ -197,10 +221,10 @@ def _blockwise_fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, s_a
         num_tiles = tl.cdiv(M, BLOCK_M) * (N // BLOCK_N)
         for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
             _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, K, s_am, s_ak, s_bn, s_bk,
-                       BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16, WS)
+                       BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16, WS, B_ROWS)
     else:
         _gemm_tile(tl.program_id(0), a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, K,
-                   s_am, s_ak, s_bn, s_bk, BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16, WS)
+                   s_am, s_ak, s_bn, s_bk, BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16, WS, B_ROWS)
 
 
 # --------------------------------------------------------------------------- configs
@@ -249,24 +273,30 @@ def _prune(configs, named_args, **kwargs):
     return small or ok
 
 
-_tuned_kernel = triton.autotune(configs=tuning_configs(), key=["M", "N", "K"],
+_tuned_kernel = triton.autotune(configs=tuning_configs(), key=["M", "N", "K", "B_ROWS"],
                                 prune_configs_by={"early_config_prune": _prune})(_blockwise_fp8_gemm_kernel)
 
 
 # --------------------------------------------------------------------------- launcher
 
 
-def check_blockwise_gemm_operands(a_data, a_scale_inv, b_data, b_scale_inv) -> tuple[int, int, int]:
+def check_blockwise_gemm_operands(a_data, a_scale_inv, b_data, b_scale_inv, b_block=(128, 128)
+                                  ) -> tuple[int, int, int]:
     """Validate FP8 blockwise GEMM operands' dtypes and shapes; return ``(M, N, K)``.
 
     ValueError naming the broken rule: uint8 codes, fp32 scales, equal K, ``K % 128 == 0``,
-    ``N % 128 == 0``, scale shapes ``[M, K/128]`` and ``[N/128, K/128]``. Layout is not checked
+    ``N % 128 == 0``, scale shapes ``[M, K/128]`` and ``[N/128, K/128]`` (``b_block=(1, 128)``:
+    ``[N, K/128]``). Layout is not checked
     here (the torch reference takes any); :func:`blockwise_fp8_gemm` also wants contiguous codes.
 
     Example::
 
         M, N, K = check_blockwise_gemm_operands(a, sa, b, sb)
     """
+    b_block = tuple(b_block)
+    if b_block not in B_BLOCKS:
+        raise ValueError(f"b_block must be one of {B_BLOCKS} (a weight's tiles or wgrad's 1x128 blocks), "
+                         f"got {b_block}")
     for name, t in (("a_data", a_data), ("b_data", b_data)):
         if t.dtype != torch.uint8 or t.dim() != 2:
             raise ValueError(f"{name} must be a 2-d uint8 tensor of E4M3 codes, got {t.dtype} {tuple(t.shape)}")
@@ -278,11 +308,12 @@ def check_blockwise_gemm_operands(a_data, a_scale_inv, b_data, b_scale_inv) -> t
         raise ValueError(f"K = {K} is not a multiple of {SCALE_BLOCK}: the 1x{SCALE_BLOCK} activation blocks and "
                          f"{SCALE_BLOCK}x{SCALE_BLOCK} weight tiles must tile K; pad K")
     if N % SCALE_BLOCK:
-        raise ValueError(f"N = {N} is not a multiple of {SCALE_BLOCK}: the {SCALE_BLOCK}x{SCALE_BLOCK} weight "
-                         "tiles must tile N; pad the weight's output dim")
+        why = (f"the {SCALE_BLOCK}x{SCALE_BLOCK} weight tiles must tile N; pad the weight's output dim"
+               if b_block[0] > 1 else f"the kernel's {SCALE_BLOCK}-column output tiles must tile N; pad b's rows")
+        raise ValueError(f"N = {N} is not a multiple of {SCALE_BLOCK}: {why}")
     for name, s, shape, what in (("a_scale_inv", a_scale_inv, (M, K // SCALE_BLOCK), "1x128 block of a"),
-                                 ("b_scale_inv", b_scale_inv, (N // SCALE_BLOCK, K // SCALE_BLOCK),
-                                  "128x128 tile of b")):
+                                 ("b_scale_inv", b_scale_inv, (N // b_block[0], K // SCALE_BLOCK),
+                                  f"{b_block[0]}x128 {'tile' if b_block[0] > 1 else 'block'} of b")):
         if s.dtype != torch.float32:
             raise ValueError(f"{name} must be float32 (one dequantization multiplier per {what}), got {s.dtype}")
         if tuple(s.shape) != shape:
@@ -318,13 +349,15 @@ _num_sms: dict[int, int] = {}
 
 def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: torch.Tensor,
                        b_scale_inv: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
-                       out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                       out: torch.Tensor | None = None, config: dict | None = None,
+                       b_block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """``out [M, N] = (a * sa) @ (b * sb).T``: FP8 blockwise GEMM, fp32 accumulation, one dot per 128-block of K.
 
     a_data uint8 E4M3 codes [M, K] (row-major), a_scale_inv fp32 [M, K/128]; b_data uint8 E4M3
     codes [N, K] (row-major, ``nn.Linear`` layout), b_scale_inv fp32 [N/128, K/128]; scales are
     dequantization multipliers (what ``quantize_fp8_blockwise`` returns), any strides. The result
     is rounded to ``out_dtype`` (bf16, fp16 or fp32) once, at the end; ``out`` may be given.
+    ``b_block=(1, 128)``: ``b`` is activation-like (wgrad), b_scale_inv fp32 [N, K/128].
     ``config`` (keys BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, PERSISTENT, OCCUPANCY -- programs per SM of
     a persistent launch --, WS -- warp specialization --, num_warps, num_stages) skips the autotuner:
     benchmarks and tests use it to pin one variant.
@@ -336,7 +369,7 @@ def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: 
                                config=dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, USE_TMA=True, PERSISTENT=True,
                                            OCCUPANCY=1, WS=True, num_warps=4, num_stages=2))
     """
-    M, N, K = check_blockwise_gemm_operands(a_data, a_scale_inv, b_data, b_scale_inv)
+    M, N, K = check_blockwise_gemm_operands(a_data, a_scale_inv, b_data, b_scale_inv, b_block)
     _check_layout(a_data, a_scale_inv, b_data, b_scale_inv, out_dtype, out, M, N)
     if out is None:
         out = torch.empty((M, N), dtype=out_dtype, device=a_data.device)
@@ -355,7 +388,7 @@ def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: 
     num_sms = _num_sms[dev]
     args = (a, a_scale_inv, b, b_scale_inv, out, M, N, K, a_scale_inv.stride(0), a_scale_inv.stride(1),
             b_scale_inv.stride(0), b_scale_inv.stride(1))
-    flags = {"INTERPRETED": interp, "OUT_BF16": out_dtype == torch.bfloat16}
+    flags = {"INTERPRETED": interp, "OUT_BF16": out_dtype == torch.bfloat16, "B_ROWS": tuple(b_block) == (1, 128)}
 
     def grid(meta):
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * (N // meta["BLOCK_N"])

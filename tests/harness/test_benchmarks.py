@@ -49,3 +49,17 @@ def test_quick_run_writes_a_results_file(script, tmp_path):
         assert case["ours_ms"] > 0 and (case["bytes"] > 0 or case.get("tflops", 0) > 0
                                      or case.get("kind") == "host"), case
         assert all(ms > 0 for ms in case["peers"].values())
+
+
+@pytest.mark.distributed
+def test_fp8_gemm_wgrad_option_writes_its_own_results_file(tmp_path):
+    """``--wgrad`` (1x128 x 1x128, the weight gradient's pairing) goes to ``fp8_gemm_wgrad-*.json``, so the
+    forward GEMM table of lesson 09 (``fp8_gemm``) keeps its own cases."""
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "bench_fp8_gemm.py"), "--quick", "--wgrad",
+                           "--out", str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    (path,) = Path(tmp_path).glob("*.json")
+    assert path.name.startswith("fp8_gemm_wgrad-")
+    (c,) = json.loads(path.read_text())["cases"]
+    assert CASE_KEYS <= set(c) and c["ours_ms"] > 0 and c["bytes"] > 0 and c["ours_max_err_over_bound"] <= 1
+    assert "1x128 x 1x128" in c["name"] and "bf16 cuBLAS" in c["peers"]

@@ -34,8 +34,8 @@ CFG = None if DEV == "cpu" else {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "
                                   "OCCUPANCY": 1, "WS": True, "num_warps": 4, "num_stages": 3}
 
 
-def _operands(M, N, K, seed, outliers=False):
-    """Quantized activations [M, K] (1x128 blocks) and weight [N, K] (128x128 tiles) on DEV."""
+def _operands(M, N, K, seed, outliers=False, b_block=(128, 128)):
+    """Quantized activations [M, K] (1x128 blocks) and weight [N, K] (128x128 tiles, or ``b_block``) on DEV."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g)
     w = torch.randn(N, K, generator=g) * 0.05
@@ -45,15 +45,17 @@ def _operands(M, N, K, seed, outliers=False):
         w[:128, 128:256] *= 1e4
         x[0, :128] = 0.0
     a, sa = quantize_fp8_blockwise(x.to(DEV), (1, 128))
-    b, sb = quantize_fp8_blockwise(w.to(DEV), (128, 128))
+    b, sb = quantize_fp8_blockwise(w.to(DEV), b_block)
     return a, sa, b, sb
 
 
 def _check(out, a, sa, b, sb, inner_u=INNER_U) -> float:
-    """Assert |out - ref| <= bound elementwise; return max |err| / bound (for the failure message and prints)."""
-    ref = blockwise_fp8_gemm_reference(a, sa, b, sb, out_dtype=torch.float64)
+    """Assert |out - ref| <= bound elementwise; return max |err| / bound (for the failure message and prints).
+    ``b``'s scale block follows from the shape of ``sb``: [N/128, K/128] tiles or [N, K/128] 1x128 blocks."""
+    b_block = (1, 128) if sb.shape[0] == b.shape[0] else (128, 128)  # N rows of scales, or N/128
+    ref = blockwise_fp8_gemm_reference(a, sa, b, sb, out_dtype=torch.float64, b_block=b_block)
     bound = gemm_error_bound(dequantize_blockwise_f64(a, sa, (1, 128)).abs(),
-                             dequantize_blockwise_f64(b, sb, (128, 128)).abs(), a.shape[1], block_k=128,
+                             dequantize_blockwise_f64(b, sb, b_block).abs(), a.shape[1], block_k=128,
                              inner_unit_roundoff=inner_u, out_dtype=out.dtype, reference=ref)
     err = (out.double() - ref).abs()
     ratio = float((err / bound).max())
@@ -71,11 +73,13 @@ def _check(out, a, sa, b, sb, inner_u=INNER_U) -> float:
     (128, 128, 512, 14),
 ])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_matches_reference_within_bound(M, N, K, seed, out_dtype):
-    a, sa, b, sb = _operands(M, N, K, seed + (out_dtype == torch.float32) * 100)
-    out = blockwise_fp8_gemm(a, sa, b, sb, out_dtype=out_dtype, config=CFG)
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)], ids=["b_tiles", "b_rows"])
+def test_matches_reference_within_bound(M, N, K, seed, out_dtype, b_block):
+    """b_tiles: fprop / dgrad (a weight's 128x128 tiles); b_rows: wgrad (b activation-like, 1x128 blocks)."""
+    a, sa, b, sb = _operands(M, N, K, seed + (out_dtype == torch.float32) * 100, b_block=b_block)
+    out = blockwise_fp8_gemm(a, sa, b, sb, out_dtype=out_dtype, config=CFG, b_block=b_block)
     assert out.dtype == out_dtype
-    print(f"{M}x{N}x{K} {out_dtype}: max |err| / bound = {_check(out, a, sa, b, sb):.3g}")
+    print(f"{M}x{N}x{K} {out_dtype} {b_block}: max |err| / bound = {_check(out, a, sa, b, sb):.3g}")
 
 
 @pytest.mark.parametrize("seed", [21, 22])
@@ -91,7 +95,8 @@ def test_fp16_output_within_bound():
     _check(blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float16, config=CFG), a, sa, b, sb)
 
 
-def test_exact_block_sums_leave_only_the_fp32_promotion_error():
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)], ids=["b_tiles", "b_rows"])
+def test_exact_block_sums_leave_only_the_fp32_promotion_error(b_block):
     """Integer FP8 values in [-4, 4]: every partial sum of a block is an integer below 2**11, exact in
     any accumulator keeping 13 fraction bits (tensor cores) or 24 (fp32). So the inner unit
     roundoff is 0 and the bound is the fp32 promotion alone -- ~(K/128 + 1) * 2**-24 relative, tight
@@ -101,9 +106,10 @@ def test_exact_block_sums_leave_only_the_fp32_promotion_error():
     a = torch.randint(-4, 5, (M, K), generator=g).float().to(torch.float8_e4m3fn).view(torch.uint8)
     b = torch.randint(-4, 5, (N, K), generator=g).float().to(torch.float8_e4m3fn).view(torch.uint8)
     sa = torch.exp(torch.randn(M, K // 128, generator=g))  # arbitrary fp32 scales, not powers of two
-    sb = torch.exp(torch.randn(N // 128, K // 128, generator=g))
+    sb = torch.exp(torch.randn(N // b_block[0], K // 128, generator=g))  # per tile, or per row of b (wgrad)
     a, sa, b, sb = (t.to(DEV) for t in (a, sa, b, sb))
-    ratio = _check(blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32, config=CFG), a, sa, b, sb, inner_u=0.0)
+    out = blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32, config=CFG, b_block=b_block)
+    ratio = _check(out, a, sa, b, sb, inner_u=0.0)
     print(f"exact block sums: max |err| / bound = {ratio:.3g}")
 
 
@@ -139,10 +145,11 @@ def test_scale_strides_are_honoured():
 @pytest.mark.skipif(DEV == "cuda", reason="on a GPU test_every_config_within_bound covers every variant")
 @pytest.mark.parametrize("variant", [{"BLOCK_N": 256}, {"PERSISTENT": True, "OCCUPANCY": 2}],
                          ids=["block_n_256", "persistent"])
-def test_kernel_variants_in_the_interpreter(variant):
-    a, sa, b, sb = _operands(70, 512, 384, 91, outliers=True)
-    _check(blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32, config={**default_config(), **variant}),
-           a, sa, b, sb)
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)], ids=["b_tiles", "b_rows"])
+def test_kernel_variants_in_the_interpreter(variant, b_block):
+    a, sa, b, sb = _operands(70, 512, 384, 91, outliers=True, b_block=b_block)
+    _check(blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32, config={**default_config(), **variant},
+                              b_block=b_block), a, sa, b, sb)
 
 
 # --------------------------------------------------------------------------- argument errors
@@ -172,6 +179,16 @@ def test_bad_operands_raise_naming_the_rule(break_it, match):
         blockwise_fp8_gemm(*break_it(*_good()))
 
 
+def test_bad_b_block_and_its_scale_shape_raise_naming_the_rule():
+    a, sa, b, sb = _good()
+    with pytest.raises(ValueError, match=r"b_scale_inv must have shape \(128, 2\) \(one scale per 1x128 block of b\)"):
+        blockwise_fp8_gemm(a, sa, b, sb, b_block=(1, 128))  # 128x128 tile scales given for 1x128 blocks
+    with pytest.raises(ValueError, match=r"b_block must be one of"):
+        blockwise_fp8_gemm(a, sa, b, sb, b_block=(32, 128))
+    with pytest.raises(ValueError, match="output tiles must tile N"):
+        blockwise_fp8_gemm(a, sa, b[:64].contiguous(), torch.ones(64, 2, device=DEV), b_block=(1, 128))
+
+
 def test_bad_out_and_out_dtype_raise():
     args = _good()
     with pytest.raises(ValueError, match="out_dtype must be one of"):
@@ -197,7 +214,7 @@ sig = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*
 out = {}
 for tma in (False, True):
     consts = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "USE_TMA": tma, "PERSISTENT": False, "OCCUPANCY": 1,
-              "INTERPRETED": False, "OUT_BF16": True, "WS": False}
+              "INTERPRETED": False, "OUT_BF16": True, "WS": False, "B_ROWS": False}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*") or n in "NK"}
     src = ASTSource(fn=k._blockwise_fp8_gemm_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
                     constexprs=consts, attrs=attrs)
@@ -207,6 +224,11 @@ consts = {**consts, "BLOCK_N": 256, "PERSISTENT": True, "WS": True}  # the warp-
 src = ASTSource(fn=k._blockwise_fp8_gemm_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
                 constexprs=consts, attrs=attrs)
 out["ws"] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
+consts = {**consts, "B_ROWS": True}  # the same, with wgrad's per-row scales of b
+src = ASTSource(fn=k._blockwise_fp8_gemm_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
+                constexprs=consts, attrs=attrs)
+out["ws_rows"] = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
 print(json.dumps(out))
 """
 
@@ -224,6 +246,9 @@ def test_compiled_kernel_uses_fp8_tensor_cores(compile_ptx):
     ws = ptx["ws"]
     assert ".reqntid 384" in ws and "setmaxnreg.inc" in ws and "cp.async.bulk.tensor" in ws
     assert ws.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 2 * 2 * 4
+    rows = ptx["ws_rows"]  # B's scales per row (wgrad): the same warp-specialized FP8 schedule
+    assert ".reqntid 384" in rows and "setmaxnreg.inc" in rows
+    assert rows.count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 2 * 2 * 4
 
 
 # --------------------------------------------------------------------------- GPU only
@@ -234,17 +259,19 @@ def test_compiled_kernel_uses_fp8_tensor_cores(compile_ptx):
     {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in tuning_configs(all_variants=True)
 ], ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}{'tma' * c['USE_TMA']}"
                  f"{'P' + str(c['OCCUPANCY']) if c['PERSISTENT'] else ''}g{c['GROUP_M']}{'ws' * c['WS']}")
-def test_every_config_within_bound(cfg):
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)], ids=["b_tiles", "b_rows"])
+def test_every_config_within_bound(cfg, b_block):
     # M = 304: ragged for every BLOCK_M; M, N, K/128 multiples of 16 and bf16 out: the same compiled
     # specialization as the benchmark's shapes (Triton specializes integer arguments on % 16)
-    a, sa, b, sb = _operands(304, 512, 2048, 71, outliers=True)
-    _check(blockwise_fp8_gemm(a, sa, b, sb, config=cfg), a, sa, b, sb)
+    a, sa, b, sb = _operands(304, 512, 2048, 71, outliers=True, b_block=b_block)
+    _check(blockwise_fp8_gemm(a, sa, b, sb, config=cfg, b_block=b_block), a, sa, b, sb)
 
 
 @gpu
-def test_autotuned_within_bound():
-    a, sa, b, sb = _operands(304, 512, 2048, 72)
-    _check(blockwise_fp8_gemm(a, sa, b, sb), a, sa, b, sb)
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)], ids=["b_tiles", "b_rows"])
+def test_autotuned_within_bound(b_block):
+    a, sa, b, sb = _operands(304, 512, 2048, 72, b_block=b_block)
+    _check(blockwise_fp8_gemm(a, sa, b, sb, b_block=b_block), a, sa, b, sb)
 
 
 def _torch_blockwise(a, sa, b, sb, out_dtype=torch.float32):

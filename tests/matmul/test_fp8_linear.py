@@ -90,15 +90,22 @@ def _run(recipe, w, bias, x, g):
     return out
 
 
-CASES = [(d, k, dt) for d in DEVICES for k in ("hybrid", "blockwise")
+CASES = [(d, k, dt, "auto") for d in DEVICES for k in ("hybrid", "blockwise")
          for dt in ([torch.float32] if d == "cpu" else [torch.bfloat16])]
+# the blockwise recipe forced onto the Triton kernel for all three GEMMs (wgrad: its 1x128 x 1x128 pairing)
+CASES += [(d, "blockwise", dt, "triton") for d, _, dt, _ in CASES[1::2]
+          if (interpreted() if d == "cpu" else fp8_tensor_cores(torch.device(d)))]
 
 
-@pytest.mark.parametrize("device,kind,dtype", CASES, ids=lambda v: str(v).replace("torch.", ""))
-def test_forward_and_backward_within_derived_bounds(device, kind, dtype):
-    recipe = Fp8Recipe(kind)
+@pytest.mark.parametrize("device,kind,dtype,backend", CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_forward_and_backward_within_derived_bounds(device, kind, dtype, backend):
+    recipe = Fp8Recipe(kind, backend=backend)
     w, bias, x, g = _layer(recipe, device, dtype)
+    calls = dict(GEMM_CALLS)
     y, dx, dw, db = _run(recipe, w, bias, x, g)
+    if backend == "triton":  # fprop + dgrad on the weight's tiles, wgrad on 1x128 blocks: all three on the kernel
+        assert GEMM_CALLS["1x128x128x128", "triton"] - calls.get(("1x128x128x128", "triton"), 0) == 2
+        assert GEMM_CALLS["1x128x1x128", "triton"] - calls.get(("1x128x1x128", "triton"), 0) == 1
     assert (y.dtype, dx.dtype, dw.dtype, db.dtype) == (dtype,) * 4 and type(dw) is torch.Tensor
     x2, g2, w64 = x.detach().reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]), w.detach()
     grad_fmt = E5M2 if kind == "hybrid" else E4M3

@@ -116,7 +116,7 @@ class Fp8Recipe:
     save_fp8_input: bool = True  # save x as FP8 codes + scale (1 B/element) for wgrad, not x itself
     use_fast_accum: bool = False  # fprop GEMM in the tensor cores' fast accumulation (dgrad/wgrad never)
     pow2_scales: bool = False  # power-of-two scales (hybrid: rounded down; blockwise: rounded up)
-    backend: str = "auto"  # scaled_mm backend: "auto", "torch", "triton" (blockwise fprop/dgrad), "emulated"
+    backend: str = "auto"  # scaled_mm backend: "auto", "torch", "triton" (blockwise), "emulated"
 
     def __post_init__(self):
         if self.kind not in RECIPES:
@@ -381,9 +381,8 @@ def _blockwise_backward(ctx, g2, w, x):
     if x is not None:  # wgrad: dW [N, K] = dy.T [N, M] @ x [M, K] = dy.T @ (x.T [K, M]).T, 1x128 blocks along M
         with _phase("quantize"):
             x_t = x if isinstance(x, tuple) else _quantize_1x128(x.t(), recipe)
-        backend = "auto" if recipe.backend == "triton" else recipe.backend  # the Triton kernel has no 1x128 x 1x128
         with _phase("wgrad"):
-            dw = blockwise_mm_codes(*g_t, *x_t, w_block=(1, 128), out_dtype=ctx.w_dtype, backend=backend)
+            dw = blockwise_mm_codes(*g_t, *x_t, w_block=(1, 128), out_dtype=ctx.w_dtype, backend=recipe.backend)
     return dx, dw
 
 

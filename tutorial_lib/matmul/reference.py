@@ -104,11 +104,14 @@ def dequantize_blockwise_f64(data: torch.Tensor, scale_inv: torch.Tensor, block)
 # --------------------------------------------------------------------------- references
 
 
-def blockwise_fp8_gemm_reference(a_data, a_scale_inv, b_data, b_scale_inv, out_dtype=torch.float32):
+def blockwise_fp8_gemm_reference(a_data, a_scale_inv, b_data, b_scale_inv, out_dtype=torch.float32,
+                                 b_block=(128, 128)):
     """``out[m, n] = sum_kb (fp8 block dot) * a_scale_inv[m, kb] * b_scale_inv[n // 128, kb]`` in float64.
 
     a_data uint8 E4M3 codes [M, K], a_scale_inv fp32 [M, K/128] (1x128 blocks); b_data uint8 E4M3
-    codes [N, K] (a weight, ``nn.Linear`` layout), b_scale_inv fp32 [N/128, K/128] (128x128 tiles).
+    codes [N, K] (a weight, ``nn.Linear`` layout), b_scale_inv fp32 [N/128, K/128] (128x128 tiles) --
+    or, with ``b_block=(1, 128)`` (the weight gradient's activation-like operand), [N, K/128] and
+    ``b_scale_inv[n, kb]`` in the sum.
     Each block's dot is exact in float64 (see the module docstring); the result is cast to
     ``out_dtype`` at the end (``torch.float64`` keeps it unrounded). NaN codes or NaN scales give NaN.
 
@@ -116,11 +119,11 @@ def blockwise_fp8_gemm_reference(a_data, a_scale_inv, b_data, b_scale_inv, out_d
 
         ref = blockwise_fp8_gemm_reference(a, sa, b, sb, out_dtype=torch.float64)   # [M, N]
     """
-    M, N, K = check_blockwise_gemm_operands(a_data, a_scale_inv, b_data, b_scale_inv)
+    M, N, K = check_blockwise_gemm_operands(a_data, a_scale_inv, b_data, b_scale_inv, b_block)
     a = _decode_f64(a_data, "e4m3")
     b = _decode_f64(b_data, "e4m3")
     sa = a_scale_inv.to(torch.float64)
-    sb = b_scale_inv.to(torch.float64).repeat_interleave(SCALE_BLOCK, dim=0)  # [N, K/128]
+    sb = b_scale_inv.to(torch.float64).repeat_interleave(b_block[0], dim=0)  # [N, K/128]
     out = torch.zeros(M, N, dtype=torch.float64, device=a_data.device)
     for kb in range(K // SCALE_BLOCK):
         ks = slice(kb * SCALE_BLOCK, (kb + 1) * SCALE_BLOCK)

@@ -39,7 +39,7 @@ fp32 accumulation, scales applied per tensor / row / 128-wide K block as the har
 an EMULATION of the FP8 GEMM and the CPU path). MXFP8 and NVFP4 need MX tensor cores (not on
 Hopper): :func:`emulated_mm` multiplies any two quantized tensors by dequantizing them to fp32 --
 an emulation, named so in :data:`GEMM_CALLS`. ``"auto"``: CUDA with FP8 tensor cores -> ``"torch"`` (blockwise: sm_90 ->
-torch, other FP8-capable GPUs -> triton); CPU -> ``"emulated"``. Every call is counted in
+torch, other FP8-capable GPUs -> triton for 1x128 x 128x128); CPU -> ``"emulated"``. Every call is counted in
 :data:`GEMM_CALLS` by (scaling, backend), so a caller can tell what ran. On CPU all backends
 agree up to accumulation order (FP8 products are exact in fp32).
 
@@ -149,9 +149,9 @@ def _resolve(scaling: str, backend: str, device: torch.device) -> str:
             return "triton"
         return "emulated"
     if backend == "triton":
-        if not blockwise or scaling != "1x128x128x128":
-            raise ValueError(f"backend='triton' implements the 1x128 x 128x128 blockwise GEMM only, not {scaling}; "
-                             "use backend='auto'")
+        if not blockwise:
+            raise ValueError(f"backend='triton' implements the blockwise GEMM only, not {scaling} (1x128 x 128x128 "
+                             "and 1x128 x 1x128); use backend='auto'")
     if backend == "torch" and device.type == "cuda" and not fp8_tensor_cores(device):
         raise ValueError(f"backend='torch' needs FP8 tensor cores (compute capability >= 8.9); {device} has "
                          f"{torch.cuda.get_device_capability(device)}: use backend='emulated'")
@@ -419,7 +419,7 @@ def blockwise_mm(a: FP8Blockwise1x128Tensor, w, *, out_dtype: torch.dtype = torc
 
     ``w`` is given row-major, as a weight is stored; the GEMM reads it as the column-major B [K, N]
     (no copy). Per 128-wide K block ``kb``: ``out += a_scale[:, kb] * w_scale[n_block, kb] * (A_kb @ W_kb^T)``.
-    Backends: "torch" (cuBLASLt, sm_90), "triton" (``tutorial_kernels.fp8_gemm``, 1x128 x 128x128 only),
+    Backends: "torch" (cuBLASLt, sm_90), "triton" (``tutorial_kernels.fp8_gemm``, both pairings),
     "emulated" (the CPU path, an emulation); "auto" picks in that order.
     """
     _check_blockwise(a, w, out_dtype, use_fast_accum)
@@ -441,9 +441,10 @@ def blockwise_mm_codes(a_data: torch.Tensor, a_scale_inv: torch.Tensor, w_data: 
     GEMM_CALLS[scaling, be] += 1
     if be == "torch":
         return _blockwise_torch(a_data, a_scale_inv, w_data, w_scale_inv, scaling, out_dtype, use_fast_accum)
-    if be == "triton":
-        return fp8_gemm_kernels.blockwise_fp8_gemm(a_data, a_scale_inv, w_data, w_scale_inv, out_dtype=out_dtype)
     rows_per_scale = _BLOCK if scaling == "1x128x128x128" else 1
+    if be == "triton":
+        return fp8_gemm_kernels.blockwise_fp8_gemm(a_data, a_scale_inv, w_data, w_scale_inv, out_dtype=out_dtype,
+                                                   b_block=(rows_per_scale, _BLOCK))
     return _blockwise_emulated(a_data, a_scale_inv, w_data, w_scale_inv, rows_per_scale, out_dtype)
 
 
