@@ -8,6 +8,8 @@ step (fp32 masters) + ``zero_grad(set_to_none=True)``, eager (no ``torch.compile
     bf16                           bf16 weights and GEMMs: the reference
     hybrid                         per-tensor FP8 weights ("fp8", FP8 all-gather) + Fp8Linear "hybrid" GEMMs
     blockwise                      128x128 FP8 weights ("fp8_128x128") + Fp8Linear "blockwise" GEMMs
+    blockwise_triton               the same, its three GEMMs on the repository's Triton kernel (wgrad's
+                                   1x128 x 1x128 too, which "blockwise" leaves to torch's scaled_mm)
     torchao_tensorwise[_fp8_gather] torchao.float8 (convert_to_float8_training, tensorwise; bf16 or FP8
                                    all-gather) -- a peer, recorded only where ``import torchao`` works
 

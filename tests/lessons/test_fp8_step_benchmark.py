@@ -41,18 +41,20 @@ def test_results_pickle_and_name_their_variants():
 @pytest.mark.distributed
 def test_every_variant_is_the_same_model_and_profiles_its_phases():
     calls = [(lesson.fsdp2_step_benchmark, dict(dim=DIM, hidden=HIDDEN, n_blocks=BLOCKS, tokens=TOKENS, reps=1,
-                                                profile_steps=1, variants=("bf16", "hybrid", "blockwise"))),
+                                                profile_steps=1, variants=("bf16", "hybrid", "blockwise",
+                                                                           "blockwise_triton"))),
              (lesson.fsdp2_step_benchmark, dict(dim=DIM, hidden=HIDDEN, n_blocks=BLOCKS, tokens=TOKENS, reps=1,
                                                 profile_steps=1, variants=("bf16", "hybrid", "blockwise"), lr=0.0))]
     ranks = launch(run_sequence, world_size=2, device="cpu", args=(calls,), timeout=600, echo=False)
     params = BLOCKS * (2 * DIM + HIDDEN * DIM + HIDDEN + DIM * HIDDEN + DIM) + 2 * DIM  # norm, fc1, fc2; norm_out
+    names = {0: ["bf16", "hybrid", "blockwise", "blockwise_triton"], 1: ["bf16", "hybrid", "blockwise"]}
     for trained, frozen in ranks:
-        for r in (trained, frozen):
+        for i, r in enumerate((trained, frozen)):
             assert isinstance(r, lesson.Fsdp2StepBenchmarkResult) and r.world_size == 2
             assert (r.dim, r.hidden, r.n_blocks, r.tokens) == (DIM, HIDDEN, BLOCKS, TOKENS)
-            assert [v.name for v in r.variants] == ["bf16", "hybrid", "blockwise"] and r.skipped == {}
-        bf16, hybrid, blockwise = trained.variants
-        assert (bf16.weight_format, hybrid.weight_format, blockwise.weight_format) == ("bf16", "fp8", "fp8_128x128")
+            assert [v.name for v in r.variants] == names[i] and r.skipped == {}
+        assert [v.weight_format for v in trained.variants] == ["bf16", "fp8", "fp8_128x128", "fp8_128x128"]
+        assert "Triton kernel" in trained.variant("blockwise_triton").label
         for v in trained.variants:
             assert v.params == params, (v.name, v.params)
             assert v.step_ms > 0 and v.tflops == pytest.approx(6 * params * TOKENS * 2 / (v.step_ms * 1e-3) / 1e12)

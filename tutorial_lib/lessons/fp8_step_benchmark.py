@@ -8,7 +8,10 @@ each -- forward, backward, optimizer step (eager, no ``torch.compile``)::
     hybrid             "fp8": per-tensor E4M3 codes + one scale     Fp8Linear "hybrid": E4M3    FusedAdam, fp32 masters
                                                                     x/W, E5M2 grads             (requantizes the codes)
     blockwise          "fp8_128x128": E4M3 codes, 128x128 tiles     Fp8Linear "blockwise":      FusedAdam, fp32 masters
-                                                                    1x128 x 128x128
+                                                                    1x128 x 128x128 (wgrad:
+                                                                    1x128 x 1x128, torch's)
+    blockwise_triton   the same                                     the same, all three GEMMs   FusedAdam, fp32 masters
+                                                                    on the Triton kernel
     torchao_tensorwise             torchao.float8, tensorwise (a peer, only where ``import torchao`` works): the
     torchao_tensorwise_fp8_gather  bf16 model converted by convert_to_float8_training before fully_shard (built
                                    whole on the device: meta init would replace torchao's weight wrapper), bf16
@@ -64,6 +67,7 @@ from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.harness.bench import median_ms_all_ranks, profiled_range_ms
 from tutorial_lib.harness.kernel_ranges import exact_name
 from tutorial_lib.lessons.fp8_matmuls import PHASE_RANGES, WEIGHT_FORMATS
+from tutorial_lib.matmul.fp8_linear import Fp8Recipe
 from tutorial_lib.models import BlockMLP, counter_uniform
 from tutorial_lib.optim.fused_adam import FusedAdam
 from tutorial_lib.quant.registry import recipe as make_recipe
@@ -72,7 +76,8 @@ from tutorial_lib.quant.tensor import QuantizedTensor, local_tensor
 __all__ = ["OPTIMIZER_RANGE", "STEP_VARIANTS", "Fsdp2StepBenchmarkResult", "StepVariant", "TrainStepPhases",
            "fsdp2_step_benchmark"]
 
-STEP_VARIANTS = ("bf16", "hybrid", "blockwise", "torchao_tensorwise", "torchao_tensorwise_fp8_gather")
+STEP_VARIANTS = ("bf16", "hybrid", "blockwise", "blockwise_triton", "torchao_tensorwise",
+                 "torchao_tensorwise_fp8_gather")
 """Variants of :func:`fsdp2_step_benchmark`: the bf16 reference, our two FP8 recipes, torchao's float8 (peer)."""
 
 TORCHAO_VARIANTS = {"torchao_tensorwise": False, "torchao_tensorwise_fp8_gather": True}  # -> FP8 all-gather?
@@ -157,7 +162,7 @@ def _check_shapes(variants: list[str], dim: int, hidden: int, tokens: int, ws: i
     if any(v != "bf16" for v in variants) and (dim % 16 or hidden % 16 or tokens % 16):
         raise ValueError(f"FP8 GEMMs need dim, hidden and tokens that are multiples of 16, "
                          f"got {dim}, {hidden}, {tokens}")
-    if "blockwise" in variants and (dim % (128 * ws) or hidden % (128 * ws) or tokens % 128):
+    if any(v.startswith("blockwise") for v in variants) and (dim % (128 * ws) or hidden % (128 * ws) or tokens % 128):
         raise ValueError(f"blockwise: each rank's rows of every weight must be whole 128x128 tiles and wgrad needs "
                          f"tokens in 1x128 blocks: dim and hidden multiples of {128 * ws} (128 x world size), tokens "
                          f"a multiple of 128; got dim={dim}, hidden={hidden}, tokens={tokens}")
@@ -187,11 +192,13 @@ def _build(name: str, dim: int, hidden: int, n_blocks: int, mesh, dev, lr: float
     after, masters = None, "FusedAdam, fp32 masters"
     if name == "bf16":
         model, fmt, label = qi.build_sharded_plain(bf16, mesh, dev), "bf16", "bf16 weights, bf16 GEMMs"
-    elif name in WEIGHT_FORMATS:
-        fmt = WEIGHT_FORMATS[name]
-        model = qi.build_sharded_quantized(lambda: bf16(name), mesh, make_recipe(fmt), dev,
+    elif name in WEIGHT_FORMATS or name == "blockwise_triton":
+        kind = name.removesuffix("_triton")
+        fmt, layer_recipe = WEIGHT_FORMATS[kind], Fp8Recipe(kind, backend="triton" if name != kind else "auto")
+        model = qi.build_sharded_quantized(lambda: bf16(layer_recipe), mesh, make_recipe(fmt), dev,
                                            preserve_high_precision=True)
-        label = f"{fmt} weights (FP8 all-gather), Fp8Linear {name!r} GEMMs"
+        label = f"{fmt} weights (FP8 all-gather), Fp8Linear {kind!r} GEMMs" + (
+            " on the Triton kernel" if name != kind else "")
     else:  # torchao: convert the bf16 model, built whole on the device, before fully_shard
         gather = TORCHAO_VARIANTS[name]
         config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=gather, emulate=dev.type != "cuda")
