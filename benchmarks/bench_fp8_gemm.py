@@ -64,15 +64,20 @@ TORCH_BLOCKWISE_FAST = "torch scaled_mm blockwise 1x128 x 128x128 fast-accum"
 TORCH_WGRAD = "torch scaled_mm blockwise 1x128 x 1x128"
 
 
-def torch_blockwise_mm(a, sa, b, sb, out_dtype=torch.bfloat16, use_fast_accum=False):
+def torch_blockwise_mm(a, sa, b, sb, out_dtype=torch.bfloat16, use_fast_accum=False, b_block=(128, 128)):
     """torch's FP8 blockwise GEMM on our buffers: scale_a [M, K/128] column-major (strides (1, M)),
-    mat_b = b.T [K, N] column-major, scale_b = sb.T [K/128, N/128] (strides (1, K/128)); the scales
-    are dequantization multipliers (our ``scale_inv``), as torch's ``scaled_mm`` expects."""
+    mat_b = b.T [K, N] column-major, scale_b = sb.T [K/128, N/128] (strides (1, K/128)) -- or, for
+    ``b_block=(1, 128)``, sb [N, K/128] column-major like scale_a; the scales are dequantization
+    multipliers (our ``scale_inv``), as torch's ``scaled_mm`` expects."""
     from torch.nn.functional import ScalingType, scaled_mm
 
     sa_cm = sa.t().contiguous().t()
+    if tuple(b_block) == (1, 128):
+        sb_arg, b_kind = sb.t().contiguous().t(), ScalingType.BlockWise1x128
+    else:
+        sb_arg, b_kind = sb.t(), ScalingType.BlockWise128x128
     return scaled_mm(a.view(torch.float8_e4m3fn), b.view(torch.float8_e4m3fn).t(), sa_cm, ScalingType.BlockWise1x128,
-                     sb.t(), ScalingType.BlockWise128x128, output_dtype=out_dtype, use_fast_accum=use_fast_accum)
+                     sb_arg, b_kind, output_dtype=out_dtype, use_fast_accum=use_fast_accum)
 
 
 def _inputs(M, N, K, device, seed):
@@ -107,6 +112,23 @@ def _config_name(c: dict) -> str:
 def sweep_configs() -> list[dict]:
     """Every config of the kernel (the autotuner's and the slower ones kept for coverage), as ``config=`` dicts."""
     return [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in k.tuning_configs(True)]
+
+
+def _timed_case(name, fns, mnk, nbytes, copy, rounds, checks, errors) -> tuple[dict, dict, dict]:
+    """Time ``fns`` (ours first) in alternating rounds; ``(case, median ms, TFLOPS)`` per name."""
+    times = {n: [] for n in fns}
+    for r in range(rounds):  # alternate, so drift between moments hits every variant alike
+        for n in turn_order(fns, r):
+            times[n].append(bench_ms(fns[n]))
+    ms = {n: statistics.median(t) for n, t in times.items()}
+    M, N, K = mnk
+    tflops = {n: round(2 * M * N * K / (v * 1e-3) / 1e12, 1) for n, v in ms.items()}
+    c = case(name, ms[OURS], peers={n: v for n, v in ms.items() if n != OURS}, nbytes=nbytes, copy_GBps=copy)
+    c.update({"M": M, "N": N, "K": K, "tflops": tflops[OURS],
+              "peers_tflops": {n: v for n, v in tflops.items() if n != OURS}, "rounds_ms": times, **checks})
+    if errors:
+        c["peer_errors"] = errors
+    return c, ms, tflops
 
 
 def run_shape(M, N, K, device, copy, rounds, sweep) -> dict:
@@ -147,23 +169,11 @@ def run_shape(M, N, K, device, copy, rounds, sweep) -> dict:
         except (RuntimeError, ValueError, NotImplementedError) as exc:
             errors[TORCH_BLOCKWISE_FAST] = str(exc).splitlines()[0][:200]
 
-    times = {name: [] for name in fns}
-    for r in range(rounds):  # alternate, so drift between moments hits every variant alike
-        for name in turn_order(fns, r):
-            times[name].append(bench_ms(fns[name]))
-    ms = {name: statistics.median(t) for name, t in times.items()}
-    flop = 2 * M * N * K
-    tflops = {name: round(flop / (v * 1e-3) / 1e12, 1) for name, v in ms.items()}
     nbytes = M * K + N * K + 4 * (M * K // 128 + (N // 128) * (K // 128)) + 2 * M * N
-    c = case(f"{M}x{N}x{K} (MxNxK) bf16 out", ms[OURS], peers={n: v for n, v in ms.items() if n != OURS},
-             nbytes=nbytes, copy_GBps=copy)
-    c.update({"M": M, "N": N, "K": K, "tflops": tflops[OURS],
-              "peers_tflops": {n: v for n, v in tflops.items() if n != OURS}, "rounds_ms": times, **checks})
+    c, ms, tflops = _timed_case(f"{M}x{N}x{K} (MxNxK) bf16 out", fns, (M, N, K), nbytes, copy, rounds, checks, errors)
     best = getattr(k._tuned_kernel, "best_config", None)
     if cuda and best is not None:
         c["config"] = _config_name({**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages})
-    if errors:
-        c["peer_errors"] = errors
     if TORCH_BLOCKWISE in ms:
         c["ours_over_torch_blockwise_throughput"] = round(ms[TORCH_BLOCKWISE] / ms[OURS], 3)
     c["ours_over_bf16_throughput"] = round(ms[BF16] / ms[OURS], 3)
@@ -199,32 +209,14 @@ def run_wgrad_shape(M, N, K, device, copy, rounds) -> dict:
     fns[BF16] = lambda: dy_t @ x_t.t()
     errors = {}
     try:
-        from torch.nn.functional import ScalingType, scaled_mm
-
-        sa_om, sb_om = sa.t().contiguous().t(), sb.t().contiguous().t()  # [rows, K/128], outer-dim-major
-        a8, b8 = a.view(torch.float8_e4m3fn), b.view(torch.float8_e4m3fn).t()
-
-        def theirs():
-            return scaled_mm(a8, b8, sa_om, ScalingType.BlockWise1x128, sb_om, ScalingType.BlockWise1x128,
-                             output_dtype=torch.bfloat16)
-
-        checks["torch_max_err_over_bound"] = _max_err_over_bound(theirs(), a, sa, b, sb, inner_u, (1, 128))
-        fns[TORCH_WGRAD] = theirs
+        theirs = torch_blockwise_mm(a, sa, b, sb, b_block=(1, 128))
+        checks["torch_max_err_over_bound"] = _max_err_over_bound(theirs, a, sa, b, sb, inner_u, (1, 128))
+        fns[TORCH_WGRAD] = lambda: torch_blockwise_mm(a, sa, b, sb, b_block=(1, 128))
     except (RuntimeError, ValueError, NotImplementedError, ImportError) as exc:
         errors[TORCH_WGRAD] = str(exc).splitlines()[0][:200]
-    times = {name: [] for name in fns}
-    for r in range(rounds):
-        for name in turn_order(fns, r):
-            times[name].append(bench_ms(fns[name]))
-    ms = {name: statistics.median(t) for name, t in times.items()}
-    tflops = {name: round(2 * M * N * K / (v * 1e-3) / 1e12, 1) for name, v in ms.items()}
     nbytes = M * K + N * K + 4 * (M + N) * (K // 128) + 2 * M * N
-    c = case(f"wgrad {M}x{N}x{K} (MxNxK, K = tokens) 1x128 x 1x128, bf16 out", ms[OURS],
-             peers={n: v for n, v in ms.items() if n != OURS}, nbytes=nbytes, copy_GBps=copy)
-    c.update({"M": M, "N": N, "K": K, "tflops": tflops[OURS],
-              "peers_tflops": {n: v for n, v in tflops.items() if n != OURS}, "rounds_ms": times, **checks})
-    if errors:
-        c["peer_errors"] = errors
+    c, ms, tflops = _timed_case(f"wgrad {M}x{N}x{K} (MxNxK, K = tokens) 1x128 x 1x128, bf16 out", fns, (M, N, K),
+                                nbytes, copy, rounds, checks, errors)
     print(f"{c['name']:48s} ours {ms[OURS]:.3f} ms {tflops[OURS]:7.1f} TFLOPS  peers "
           + ", ".join(f"{n} {ms[n]:.3f} ms {tflops[n]:.1f}" for n in ms if n != OURS) + f"  checks {checks}",
           flush=True)

@@ -73,12 +73,16 @@ from tutorial_lib.optim.fused_adam import FusedAdam
 from tutorial_lib.quant.registry import recipe as make_recipe
 from tutorial_lib.quant.tensor import QuantizedTensor, local_tensor
 
-__all__ = ["OPTIMIZER_RANGE", "STEP_VARIANTS", "Fsdp2StepBenchmarkResult", "StepVariant", "TrainStepPhases",
-           "fsdp2_step_benchmark"]
+__all__ = ["FP8_VARIANTS", "OPTIMIZER_RANGE", "STEP_VARIANTS", "Fsdp2StepBenchmarkResult", "StepVariant",
+           "TrainStepPhases", "fsdp2_step_benchmark"]
 
-STEP_VARIANTS = ("bf16", "hybrid", "blockwise", "blockwise_triton", "torchao_tensorwise",
-                 "torchao_tensorwise_fp8_gather")
-"""Variants of :func:`fsdp2_step_benchmark`: the bf16 reference, our two FP8 recipes, torchao's float8 (peer)."""
+FP8_VARIANTS = {"hybrid": Fp8Recipe("hybrid"), "blockwise": Fp8Recipe("blockwise"),
+                "blockwise_triton": Fp8Recipe("blockwise", backend="triton")}
+"""Our FP8 variants -> the ``Fp8Linear`` recipe of their layers (weights: ``WEIGHT_FORMATS[recipe.kind]``)."""
+
+STEP_VARIANTS = ("bf16", *FP8_VARIANTS, "torchao_tensorwise", "torchao_tensorwise_fp8_gather")
+"""Variants of :func:`fsdp2_step_benchmark`: the bf16 reference, our FP8 recipes (blockwise twice: torch's wgrad
+GEMM or the Triton kernel's), torchao's float8 (peer)."""
 
 TORCHAO_VARIANTS = {"torchao_tensorwise": False, "torchao_tensorwise_fp8_gather": True}  # -> FP8 all-gather?
 
@@ -162,7 +166,8 @@ def _check_shapes(variants: list[str], dim: int, hidden: int, tokens: int, ws: i
     if any(v != "bf16" for v in variants) and (dim % 16 or hidden % 16 or tokens % 16):
         raise ValueError(f"FP8 GEMMs need dim, hidden and tokens that are multiples of 16, "
                          f"got {dim}, {hidden}, {tokens}")
-    if any(v.startswith("blockwise") for v in variants) and (dim % (128 * ws) or hidden % (128 * ws) or tokens % 128):
+    blockwise = any(v in FP8_VARIANTS and FP8_VARIANTS[v].kind == "blockwise" for v in variants)
+    if blockwise and (dim % (128 * ws) or hidden % (128 * ws) or tokens % 128):
         raise ValueError(f"blockwise: each rank's rows of every weight must be whole 128x128 tiles and wgrad needs "
                          f"tokens in 1x128 blocks: dim and hidden multiples of {128 * ws} (128 x world size), tokens "
                          f"a multiple of 128; got dim={dim}, hidden={hidden}, tokens={tokens}")
@@ -192,13 +197,13 @@ def _build(name: str, dim: int, hidden: int, n_blocks: int, mesh, dev, lr: float
     after, masters = None, "FusedAdam, fp32 masters"
     if name == "bf16":
         model, fmt, label = qi.build_sharded_plain(bf16, mesh, dev), "bf16", "bf16 weights, bf16 GEMMs"
-    elif name in WEIGHT_FORMATS or name == "blockwise_triton":
-        kind = name.removesuffix("_triton")
-        fmt, layer_recipe = WEIGHT_FORMATS[kind], Fp8Recipe(kind, backend="triton" if name != kind else "auto")
-        model = qi.build_sharded_quantized(lambda: bf16(layer_recipe), mesh, make_recipe(fmt), dev,
+    elif name in FP8_VARIANTS:
+        layer = FP8_VARIANTS[name]
+        fmt = WEIGHT_FORMATS[layer.kind]
+        model = qi.build_sharded_quantized(lambda: bf16(layer), mesh, make_recipe(fmt), dev,
                                            preserve_high_precision=True)
-        label = f"{fmt} weights (FP8 all-gather), Fp8Linear {kind!r} GEMMs" + (
-            " on the Triton kernel" if name != kind else "")
+        label = f"{fmt} weights (FP8 all-gather), Fp8Linear {layer.kind!r} GEMMs" + (
+            " on the Triton kernel" if layer.backend == "triton" else "")
     else:  # torchao: convert the bf16 model, built whole on the device, before fully_shard
         gather = TORCHAO_VARIANTS[name]
         config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=gather, emulate=dev.type != "cuda")
