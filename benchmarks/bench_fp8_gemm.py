@@ -19,8 +19,10 @@ throughput and >= 1.4x bf16 cuBLAS.
 
 ``--wgrad`` times the weight gradient's pairing instead (results ``fp8_gemm_wgrad-*.json``): dW [N, K] =
 dy.T [N, M] @ x.T [K, M].T contracts over the M tokens, so BOTH operands carry 1x128 blocks along the
-tokens (``blockwise_fp8_gemm(..., b_block=(1, 128))``), against torch's ``scaled_mm`` with
-BlockWise1x128 x BlockWise1x128 and bf16 cuBLAS, at the shapes of the FSDP2 step benchmark's layers.
+tokens (``blockwise_fp8_gemm(..., b_block=(1, 128))``, called as the FP8 layer calls it:
+``blockwise_mm_codes(..., backend="triton")``, which re-lays the scales M-major), against torch's
+``scaled_mm`` with BlockWise1x128 x BlockWise1x128 and bf16 cuBLAS, at the shapes of the FSDP2 step
+benchmark's layers.
 
 Run on a GPU (results into benchmarks/results/)::
 
@@ -47,6 +49,7 @@ from tutorial_lib.matmul.reference import (
     dequantize_blockwise_f64,
     gemm_error_bound,
 )
+from tutorial_lib.matmul.scaled_mm import blockwise_mm_codes
 from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
 from tutorial_lib.quant.per_tensor import cast_current_scaling
 
@@ -199,10 +202,11 @@ def run_wgrad_shape(M, N, K, device, copy, rounds) -> dict:
     dy_t, x_t = _inputs(M, N, K, device, seed=M + N + K + 1)  # dy.T [M, K] (outlier tokens) and x.T [N, K]
     a, sa = quantize_fp8_blockwise(dy_t, (1, 128))
     b, sb = quantize_fp8_blockwise(x_t, (1, 128))
-    out = torch.empty(M, N, dtype=torch.bfloat16, device=device)
     inner_u = FP8_TENSOR_CORE_UNIT_ROUNDOFF if device.type == "cuda" else FP32_UNIT_ROUNDOFF
-    fns = {OURS: lambda: k.blockwise_fp8_gemm(a, sa, b, sb, out=out, b_block=(1, 128))}
-    fns[OURS]()  # autotune outside the timing
+    # ours as the layer calls it: the scales re-laid M-major inside the timed call, like torch's peer below
+    fns = {OURS: lambda: blockwise_mm_codes(a, sa, b, sb, w_block=(1, 128), out_dtype=torch.bfloat16,
+                                            backend="triton")}
+    out = fns[OURS]()  # autotune outside the timing
     checks = {"ours_max_err_over_bound": _max_err_over_bound(out, a, sa, b, sb, inner_u, (1, 128))}
     if checks["ours_max_err_over_bound"] > 1:
         raise AssertionError(f"wgrad {M}x{N}x{K}: our GEMM exceeds the error bound ({checks})")

@@ -63,7 +63,15 @@ are decoded to fp32 (``tutorial_kernels.fp8_round.decode_fp8``, exact) and multi
 The weight gradient's GEMM (``b_block=(1, 128)``): dW = dy.T @ x contracts over the tokens, so both of
 its operands are activation-like, quantized in 1x128 blocks along the tokens -- ``b`` carries a scale
 per ROW and k-block, ``b_scale_inv`` [N, K/128]. The same loop, with a vector of B scales per k-block:
-``acc += d * sa[:, kb, None] * sb[None, cols, kb]`` (one multiply per accumulator element either way).
+``acc += d * sa[:, kb, None] * sb[None, cols, kb]``. It costs more than the forward's pairing: the
+multiplier is a whole [BLOCK_M, BLOCK_N] tile (one more fp32 multiply per accumulator element and
+k-block, on the CUDA cores that the promotion already keeps busy), and each k-block reads BLOCK_M +
+BLOCK_N scales instead of BLOCK_M + 1. Stored row-major ([rows, K/128], K/128 contiguous), each of
+those scales is a separate cache line; stored M-major (strides (1, rows), torch's ``scaled_mm``
+convention) a vector is one contiguous read -- so ``tutorial_lib.matmul.scaled_mm.blockwise_mm_codes``
+re-lays both scale tensors M-major for this pairing (the scales are 1/128 of the codes). The forward's
+pairing keeps the quantizer's row-major scales, which its warp-specialized configs read faster.
+``benchmarks/bench_fp8_gemm.py --wgrad`` times it against torch's 1x128 x 1x128 ``scaled_mm``.
 
 Shape rules (ValueError naming the rule otherwise): uint8 codes and fp32 scales, ``K % 128 == 0``,
 ``N % 128 == 0``, ``a_scale_inv`` [M, K/128] and ``b_scale_inv`` [N/128, K/128] (``b_block=(1, 128)``:

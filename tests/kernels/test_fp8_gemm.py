@@ -133,12 +133,15 @@ def test_out_argument_and_empty_m():
     assert empty.shape == (0, 128) and empty.dtype == torch.bfloat16
 
 
-def test_scale_strides_are_honoured():
-    """Column-major scales (torch's scaled_mm convention) give the same result as row-major ones."""
-    a, sa, b, sb = _operands(40, 256, 384, 61)
-    row = blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32, config=CFG)
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)], ids=["b_tiles", "b_rows"])
+def test_scale_strides_are_honoured(b_block):
+    """Column-major scales (torch's scaled_mm convention; what wgrad's Triton path passes) give the same result
+    as row-major ones."""
+    a, sa, b, sb = _operands(40, 256, 384, 61, b_block=b_block)
+    row = blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32, config=CFG, b_block=b_block)
     col = blockwise_fp8_gemm(a, sa.t().contiguous().t(), b, sb.t().contiguous().t(), out_dtype=torch.float32,
-                             config=CFG)
+                             config=CFG, b_block=b_block)
+    assert sa.t().contiguous().t().stride() == (1, 40)
     assert torch.equal(row, col)
 
 

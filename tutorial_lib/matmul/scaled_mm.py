@@ -443,6 +443,9 @@ def blockwise_mm_codes(a_data: torch.Tensor, a_scale_inv: torch.Tensor, w_data: 
         return _blockwise_torch(a_data, a_scale_inv, w_data, w_scale_inv, scaling, out_dtype, use_fast_accum)
     rows_per_scale = _BLOCK if scaling == "1x128x128x128" else 1
     if be == "triton":
+        if rows_per_scale == 1:  # wgrad: each k-block reads a vector of scales for rows AND for columns; stored
+            # M-major, each vector is one contiguous read instead of one cache line per row (small copies)
+            a_scale_inv, w_scale_inv = _outer_major(a_scale_inv), _outer_major(w_scale_inv)
         return fp8_gemm_kernels.blockwise_fp8_gemm(a_data, a_scale_inv, w_data, w_scale_inv, out_dtype=out_dtype,
                                                    b_block=(rows_per_scale, _BLOCK))
     return _blockwise_emulated(a_data, a_scale_inv, w_data, w_scale_inv, rows_per_scale, out_dtype)
