@@ -40,7 +40,7 @@ EXERCISED = {
     "make test": "ci",
     "make lab": "test_make_lab",
     ".venv/bin/python -m tutorial_lib.harness.notebooks run notebooks/00_start_here.ipynb --device cpu "
-    "--world-size 2 --quick":
+    "--world-size 2 --quick -p rank_device=cpu":
         "test_run_one_lesson_cli",
     ".venv/bin/python -m papermill notebooks/00_start_here.ipynb output/00.ipynb -k python3 -p device cpu "
     "-p world_size 2 "
@@ -100,6 +100,7 @@ def test_run_one_lesson_cli():
     r = _run(_venv(cmd))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ok   00_start_here.ipynb" in r.stdout and "1 passed, 0 failed" in r.stdout
+    assert "'rank_device': 'cpu'" in r.stdout, "the -p parameter reached the lesson"
 
 
 @pytest.mark.notebook

@@ -15,9 +15,12 @@ import pytest
 from tutorial_lib.harness.notebooks import (
     DEFAULT_OUT,
     LessonFailed,
+    _main,
     has_outputs,
+    lesson_parameters,
     lessons,
     min_world_size,
+    parse_parameter,
     run_lesson,
     verify_executed,
 )
@@ -129,10 +132,10 @@ def test_lesson_is_committed_clean_and_well_formed(path):
 # --- the harness's own guards, on tiny synthetic notebooks -------------------------------------
 
 
-def _notebook(tmp_path, cells, name="99_synthetic.ipynb"):
+def _notebook(tmp_path, cells, name="99_synthetic.ipynb", params_src=""):
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    params = nbformat.v4.new_code_cell('device = "auto"\nworld_size = 2\nquick = True')
+    params = nbformat.v4.new_code_cell('device = "auto"\nworld_size = 2\nquick = True' + params_src)
     params.metadata["tags"] = ["parameters"]
     nb.cells = [nbformat.v4.new_markdown_cell("# t\nWhat you will learn: nothing"), params]
     for src, tags in cells:
@@ -187,3 +190,49 @@ def test_cell_timeout_fails_the_lesson(tmp_path):
     slow = _notebook(tmp_path, [("import time\ntime.sleep(60)", None)], "14_slow.ipynb")
     with pytest.raises(LessonFailed, match="(?i)timed? ?out|timeout"):
         run_lesson(slow, tmp_path / "out", device="cpu", world_size=1, quick=True, cell_timeout=3)
+
+
+# --- lesson parameters from the command line (-p NAME=VALUE) --------------------------------------
+
+
+@pytest.mark.parametrize("text,want", [("steps=100", ("steps", 100)), ("lr=1e-3", ("lr", 1e-3)),
+                                       ("rank_device=cpu", ("rank_device", "cpu")), ("flag=False", ("flag", False)),
+                                       ("limit=None", ("limit", None)), ("name='a b'", ("name", "a b")),
+                                       (" steps = 7 ", ("steps", 7))])
+def test_parse_parameter_reads_python_literals_else_strings(text, want):
+    got = parse_parameter(text)
+    assert got == want and type(got[1]) is type(want[1])
+
+
+@pytest.mark.parametrize("text", ["steps", "=3", "2x=1", "a-b=1"])
+def test_parse_parameter_refuses_what_is_not_name_equals_value(text):
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        parse_parameter(text)
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem)
+def test_lesson_parameters_lists_the_parameters_cell(path):
+    names = lesson_parameters(path)
+    assert {"device", "world_size", "quick"} <= set(names) and len(names) == len(set(names))
+
+
+def test_a_parameter_reaches_the_lesson_and_a_foreign_one_is_refused(tmp_path, capsys):
+    nb = _notebook(tmp_path, [("from tutorial_lib.harness.checks import check\n"
+                               "check(steps == 7 and isinstance(steps, int), f'steps = {steps!r}')", ["self-check"])],
+                   "15_params.ipynb", params_src="\nsteps: int = 3")
+    assert lesson_parameters(nb) == ["device", "world_size", "quick", "steps"]
+    run = run_lesson(nb, tmp_path / "out", device="cpu", world_size=1, quick=True, extra_parameters={"steps": 7})
+    assert run.parameters["steps"] == 7 and run.checks_passed == 1
+    with pytest.raises(LessonFailed, match="no parameter 'step'.*device, world_size, quick, steps"):
+        run_lesson(nb, tmp_path / "out", device="cpu", world_size=1, quick=True, extra_parameters={"step": 7})
+    with pytest.raises(LessonFailed, match="--world-size"):
+        run_lesson(nb, tmp_path / "out", device="cpu", quick=True, extra_parameters={"world_size": 1})
+    # the command line: -p parsed, refused before anything runs, or passed through
+    for argv, msg in ((["-p", "step=7"], "no parameter 'step'"), (["-p", "steps"], "NAME=VALUE")):
+        with pytest.raises(SystemExit) as exit_info:
+            _main(["run", str(nb), "--device", "cpu", "--world-size", "1", "--no-html", "--out", str(tmp_path / "o"),
+                   *argv])
+        assert exit_info.value.code == 2 and msg in capsys.readouterr().err
+    assert _main(["run", str(nb), "--device", "cpu", "--world-size", "1", "--quick", "--no-html",
+                  "--out", str(tmp_path / "o"), "-p", "steps=7"]) == 0
+    assert "'steps': 7" in capsys.readouterr().out

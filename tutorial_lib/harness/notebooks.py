@@ -5,6 +5,7 @@ GPU-node runs::
 
     python -m tutorial_lib.harness.notebooks run                       # every lesson, this machine's hardware
     python -m tutorial_lib.harness.notebooks run notebooks/00_start_here.ipynb --device cpu --world-size 2
+    python -m tutorial_lib.harness.notebooks run notebooks/11_end_to_end_training.ipynb --full -p steps=100
     python -m tutorial_lib.harness.notebooks strip notebooks/*.ipynb    # remove outputs before committing
 
 What counts as a passing lesson::
@@ -19,6 +20,7 @@ On CPU ``TRITON_INTERPRET=1`` is set for the kernel so Triton kernels run in the
 from __future__ import annotations
 
 import argparse
+import ast
 import html
 import os
 import re
@@ -77,6 +79,57 @@ def default_parameters(device: str = "auto") -> dict:
     if device == "cuda":
         return {"device": "cuda", "world_size": max(2, torch.cuda.device_count()), "quick": False}
     return {"device": "cpu", "world_size": 2, "quick": True}
+
+
+RUN_OPTIONS = {"device": "--device", "world_size": "--world-size", "quick": "--quick / --full"}
+"""Parameters every lesson has, set by their own options of ``run`` (not by ``-p``)."""
+
+
+def lesson_parameters(path: str | Path) -> list[str]:
+    """The names the lesson's ``parameters``-tagged cell assigns, in order (what papermill may override)."""
+    nb = nbformat.read(path, as_version=4)
+    cells = [c for c in nb.cells if c.cell_type == "code" and "parameters" in c.get("metadata", {}).get("tags", [])]
+    if not cells:
+        raise LessonFailed(f"{Path(path).name} has no cell tagged 'parameters'")
+    names = []
+    for node in ast.parse(cells[0].source).body:
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        else:
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else []
+        names += [t.id for t in targets if isinstance(t, ast.Name) and t.id not in names]
+    return names
+
+
+def parse_parameter(text: str) -> tuple[str, object]:
+    """``"NAME=VALUE"`` -> ``(NAME, value)``: VALUE as a Python literal (``100``, ``1e-3``, ``True``, ``None``,
+    ``"cpu"``), else as the string itself. ValueError for a missing ``=`` or a NAME that is no identifier.
+
+    Example::
+
+        parse_parameter("steps=100")      # ("steps", 100)
+        parse_parameter("rank_device=cpu")   # ("rank_device", "cpu")
+    """
+    name, sep, value = text.partition("=")
+    name = name.strip()
+    if not sep or not name.isidentifier():
+        raise ValueError(f"a lesson parameter is given as NAME=VALUE (e.g. steps=100), got {text!r}")
+    try:
+        return name, ast.literal_eval(value.strip())
+    except (ValueError, SyntaxError):
+        return name, value.strip()
+
+
+def check_parameters(path: str | Path, extra: dict) -> None:
+    """LessonFailed naming the lesson's parameters if ``extra`` sets a name its ``parameters`` cell lacks, or one
+    of :data:`RUN_OPTIONS` (those have their own options)."""
+    known = lesson_parameters(path)
+    for name in extra:
+        if name in RUN_OPTIONS:
+            raise LessonFailed(f"{Path(path).name}: set {name} with {RUN_OPTIONS[name]}, not -p")
+        if name not in known:
+            raise LessonFailed(f"{Path(path).name} has no parameter {name!r}; its parameters cell sets "
+                               f"{', '.join(known)}")
 
 
 def min_world_size(path: str | Path) -> int | None:
@@ -160,7 +213,9 @@ def run_lesson(
         params["world_size"] = world_size
     if quick is not None:
         params["quick"] = quick
-    params.update(extra_parameters or {})
+    if extra_parameters:
+        check_parameters(path, extra_parameters)
+        params.update(extra_parameters)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     executed = out_dir / path.name
@@ -259,6 +314,9 @@ def _main(argv: list[str] | None = None) -> int:
     run.add_argument("--out", type=Path, default=DEFAULT_OUT)
     run.add_argument("--cell-timeout", type=float, default=900)
     run.add_argument("--no-html", action="store_true")
+    run.add_argument("-p", "--param", dest="params", action="append", default=[], metavar="NAME=VALUE",
+                     help="set one of the lesson's own parameters (e.g. -p steps=100; repeatable); VALUE is read "
+                          "as a Python literal where it is one")
     strip = sub.add_parser("strip", help="remove outputs from notebooks in place")
     strip.add_argument("paths", nargs="+")
     args = parser.parse_args(argv)
@@ -268,12 +326,21 @@ def _main(argv: list[str] | None = None) -> int:
             print(("stripped " if strip_outputs(p) else "clean    ") + p)
         return 0
 
+    try:
+        extra = dict(parse_parameter(t) for t in args.params)
+    except ValueError as exc:
+        parser.error(str(exc))
     paths = [Path(p) for p in args.paths] or lessons()
+    for p in paths if extra else []:  # refuse a misspelled or foreign parameter before anything runs
+        try:
+            check_parameters(p, extra)
+        except LessonFailed as exc:
+            parser.error(str(exc))
     executed, failures = [], []
     for p in paths:  # each lesson prints its own line when done: that is the progress report
         try:
             r = run_lesson(p, args.out / "executed", device=args.device, world_size=args.world_size,
-                           quick=args.quick, cell_timeout=args.cell_timeout)
+                           quick=args.quick, cell_timeout=args.cell_timeout, extra_parameters=extra)
         except LessonFailed as exc:
             failures.append(p.name)
             print(f"FAIL {p.name}\n{exc}", file=sys.stderr, flush=True)
