@@ -32,6 +32,7 @@ import torch
 import tutorial_kernels
 
 from tutorial_lib.matmul import reference as R
+from tutorial_lib.matmul import scaled_mm as scaled_mm_module
 from tutorial_lib.matmul.scaled_mm import (
     GEMM_CALLS,
     FP8LayoutError,
@@ -249,6 +250,19 @@ def test_auto_picks_the_emulation_on_cpu_and_counts_every_call():
 def test_auto_picks_the_tensor_cores_on_gpus_that_have_them():
     want = "torch" if fp8_tensor_cores("cuda") else "emulated"
     assert resolve_backend("tensorwise", "auto", "cuda") == want
+
+
+@pytest.mark.parametrize("fp8_cores,blockwise_cores,want", [(True, True, "torch"), (True, False, "triton"),
+                                                             (False, False, "emulated")],
+                         ids=["hopper", "fp8_cores_only", "no_fp8_cores"])
+def test_auto_for_blockwise_prefers_torch_then_triton_then_emulation(monkeypatch, fp8_cores, blockwise_cores, want):
+    """Both blockwise pairings (the forward's 1x128 x 128x128 and wgrad's 1x128 x 1x128) resolve alike: torch's
+    blockwise GEMM where it exists (measured faster than ours), else our Triton kernel on FP8 tensor cores."""
+    monkeypatch.setattr(scaled_mm_module, "fp8_tensor_cores", lambda device: fp8_cores)
+    monkeypatch.setattr(scaled_mm_module, "blockwise_tensor_cores", lambda device: blockwise_cores)
+    for scaling in ("1x128x128x128", "1x128x1x128"):
+        assert resolve_backend(scaling, "auto", "cpu") == want, scaling
+    assert resolve_backend("tensorwise", "auto", "cpu") == ("torch" if fp8_cores else "emulated")
 
 
 def test_the_gemm_never_dequantizes_its_operands(monkeypatch):

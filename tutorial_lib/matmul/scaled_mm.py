@@ -39,7 +39,7 @@ fp32 accumulation, scales applied per tensor / row / 128-wide K block as the har
 an EMULATION of the FP8 GEMM and the CPU path). MXFP8 and NVFP4 need MX tensor cores (not on
 Hopper): :func:`emulated_mm` multiplies any two quantized tensors by dequantizing them to fp32 --
 an emulation, named so in :data:`GEMM_CALLS`. ``"auto"``: CUDA with FP8 tensor cores -> ``"torch"`` (blockwise: sm_90 ->
-torch, other FP8-capable GPUs -> triton for 1x128 x 128x128); CPU -> ``"emulated"``. Every call is counted in
+torch, other FP8-capable GPUs -> triton, both pairings); CPU -> ``"emulated"``. Every call is counted in
 :data:`GEMM_CALLS` by (scaling, backend), so a caller can tell what ran. On CPU all backends
 agree up to accumulation order (FP8 products are exact in fp32).
 
@@ -143,9 +143,9 @@ def _resolve(scaling: str, backend: str, device: torch.device) -> str:
     if backend == "auto":
         if not blockwise:
             return "torch" if fp8_tensor_cores(device) else "emulated"
-        if blockwise_tensor_cores(device):
+        if blockwise_tensor_cores(device):  # cuBLASLt's blockwise GEMM: faster than ours in both pairings
             return "torch"
-        if fp8_tensor_cores(device) and scaling == "1x128x128x128":
+        if fp8_tensor_cores(device):  # FP8 tensor cores but no torch blockwise GEMM: our Triton kernel
             return "triton"
         return "emulated"
     if backend == "triton":
