@@ -66,11 +66,12 @@ per ROW and k-block, ``b_scale_inv`` [N, K/128]. The same loop, with a vector of
 ``acc += d * sa[:, kb, None] * sb[None, cols, kb]``. It costs more than the forward's pairing: the
 multiplier is a whole [BLOCK_M, BLOCK_N] tile (one more fp32 multiply per accumulator element and
 k-block, on the CUDA cores that the promotion already keeps busy), and each k-block reads BLOCK_M +
-BLOCK_N scales instead of BLOCK_M + 1. Stored row-major ([rows, K/128], K/128 contiguous), each of
-those scales is a separate cache line; stored M-major (strides (1, rows), torch's ``scaled_mm``
-convention) a vector is one contiguous read -- so ``tutorial_lib.matmul.scaled_mm.blockwise_mm_codes``
-re-lays both scale tensors M-major for this pairing (the scales are 1/128 of the codes). The forward's
-pairing keeps the quantizer's row-major scales, which its warp-specialized configs read faster.
+BLOCK_N scales instead of BLOCK_M + 1. Stored row-major ([rows, K/128], K/128 contiguous), consecutive
+rows' scales lie K/128 floats apart (a cache line each once K >= 4096); stored M-major (strides
+(1, rows), torch's ``scaled_mm`` convention) a vector is one contiguous read -- so
+``tutorial_lib.matmul.scaled_mm.blockwise_mm_codes`` re-lays both scale tensors M-major for this
+pairing (the scales are 1/128 of the codes). The forward's pairing keeps the quantizer's row-major
+scales, which its warp-specialized configs read faster.
 ``benchmarks/bench_fp8_gemm.py --wgrad`` times it against torch's 1x128 x 1x128 ``scaled_mm``.
 
 Shape rules (ValueError naming the rule otherwise): uint8 codes and fp32 scales, ``K % 128 == 0``,
