@@ -68,19 +68,11 @@ TORCH_WGRAD = "torch scaled_mm blockwise 1x128 x 1x128"
 
 
 def torch_blockwise_mm(a, sa, b, sb, out_dtype=torch.bfloat16, use_fast_accum=False, b_block=(128, 128)):
-    """torch's FP8 blockwise GEMM on our buffers: scale_a [M, K/128] column-major (strides (1, M)),
-    mat_b = b.T [K, N] column-major, scale_b = sb.T [K/128, N/128] (strides (1, K/128)) -- or, for
-    ``b_block=(1, 128)``, sb [N, K/128] column-major like scale_a; the scales are dequantization
-    multipliers (our ``scale_inv``), as torch's ``scaled_mm`` expects."""
-    from torch.nn.functional import ScalingType, scaled_mm
-
-    sa_cm = sa.t().contiguous().t()
-    if tuple(b_block) == (1, 128):
-        sb_arg, b_kind = sb.t().contiguous().t(), ScalingType.BlockWise1x128
-    else:
-        sb_arg, b_kind = sb.t(), ScalingType.BlockWise128x128
-    return scaled_mm(a.view(torch.float8_e4m3fn), b.view(torch.float8_e4m3fn).t(), sa_cm, ScalingType.BlockWise1x128,
-                     sb_arg, b_kind, output_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    """torch's FP8 blockwise GEMM (cuBLASLt via ``torch.nn.functional.scaled_mm``) on our buffers, as the FP8
+    layer calls it: ``blockwise_mm_codes(..., backend="torch")``, which re-lays the scales the way torch
+    wants them inside the call (ValueError where this torch or device has no blockwise GEMM)."""
+    return blockwise_mm_codes(a, sa, b, sb, w_block=b_block, out_dtype=out_dtype, use_fast_accum=use_fast_accum,
+                              backend="torch")
 
 
 def _inputs(M, N, K, device, seed):
