@@ -60,7 +60,7 @@ def test_model_shapes_init_and_parameter_count():
     a, b = Transformer(cfg, seed=1), Transformer(cfg, seed=1)
     assert sum(p.numel() for p in a.parameters()) == cfg.n_params()
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))  # counter-based: reproducible
-    assert not torch.equal(a.blocks[0].q.weight, Transformer(cfg, seed=2).blocks[0].q.weight)
+    assert not torch.equal(a.blocks[0].qkv.weight, Transformer(cfg, seed=2).blocks[0].qkv.weight)
     tokens = torch.randint(0, VOCAB_SIZE, (2, cfg.seq_len))
     logits = a(tokens)
     assert logits.shape == (2, cfg.seq_len, VOCAB_SIZE)
@@ -74,7 +74,22 @@ def test_model_shapes_init_and_parameter_count():
     with pytest.raises(ValueError, match="unknown model size 'huge'"):
         TransformerConfig.preset("huge")
     picked = [n for n, m in a.named_modules() if hasattr(m, "weight") and quantized_select(m, "weight", f"{n}.weight")]
-    assert len(picked) == 6 * cfg.n_layers and "head" not in picked
+    assert len(picked) == 4 * cfg.n_layers and "head" not in picked  # qkv, o, fc1, fc2 per block
+
+
+def test_fused_qkv_splits_into_the_three_projections():
+    """One qkv GEMM = three projections: rows [0, d) of its weight make q, [d, 2d) k, [2d, 3d) v, per head."""
+    cfg = TransformerConfig.preset("tiny")
+    block = Transformer(cfg, seed=3).blocks[0].double()
+    b, t, d, heads = 2, 16, cfg.dim, cfg.n_heads
+    x = torch.randn(b, t, d, dtype=torch.float64)
+    h = block.n1(x)
+    w = block.qkv.weight
+    q, k, v = (F.linear(h, w[i * d:(i + 1) * d]).view(b, t, heads, d // heads).transpose(1, 2) for i in range(3))
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    x1 = x + block.o(a.transpose(1, 2).reshape(b, t, d))
+    expect = x1 + block.fc2(F.gelu(block.fc1(block.n2(x1))))
+    torch.testing.assert_close(block(x), expect, rtol=0, atol=1e-12)
 
 
 def test_formats_and_matmuls():

@@ -83,7 +83,7 @@ def unshardable_reason(fmt: str, size: str, world_size: int) -> str:
     cfg = TransformerConfig.preset(size)
     q = make_quantizer(fmt)
     try:
-        for shape in ((cfg.dim, cfg.dim), (cfg.hidden, cfg.dim), (cfg.dim, cfg.hidden)):
+        for shape in ((3 * cfg.dim, cfg.dim), (cfg.dim, cfg.dim), (cfg.hidden, cfg.dim), (cfg.dim, cfg.hidden)):
             check_fsdp_shardable(meta_quantized(q, shape, torch.float32), world_size, f"weight {list(shape)}")
     except ValueError as exc:
         return str(exc)

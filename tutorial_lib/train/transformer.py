@@ -3,7 +3,8 @@
 ::
 
     tokens [B, T] -> tok_emb + pos_emb                                   (embeddings: high precision)
-       -> blocks[i]:  x = x + o(attn(q(n1(x)), k(n1(x)), v(n1(x))))      causal SDPA, RMSNorm pre-norms
+       -> blocks[i]:  q, k, v = split(qkv(n1(x)))                          one GEMM for the three projections
+                      x = x + o(attn(q, k, v))                            causal SDPA, RMSNorm pre-norms
                       x = x + fc2(gelu(fc1(n2(x))))                       MLP, hidden = 4 * dim
        -> norm_out -> head -> logits [B, T, vocab]                        (head: high precision)
 
@@ -12,10 +13,17 @@ head): :func:`tutorial_lib.dist.fsdp2.fully_shard_blocks`. Every parameter has a
 counter-based init (:mod:`tutorial_lib.models`), so a sharded model equals its single-process twin
 bit for bit and a meta-built model can be initialised shard by shard.
 
-Which linear layers get quantized: the six per block (``q, k, v, o, fc1, fc2``, all bias-free);
+Which linear layers get quantized: the four per block (``qkv, o, fc1, fc2``, all bias-free);
 :func:`quantized_select` says so for quantized init. The embeddings, the norms and the output head
 keep high-precision weights (fp32 shards, computed in the compute dtype), as in production FP8
 recipes: the head's logits feed a softmax over the whole vocabulary.
+
+Why one ``qkv`` layer (``[3 * dim, dim]``) and not three: q, k and v are projections of the same
+input, so one GEMM with three times the output columns computes all of them. With FP8 GEMMs that
+also means one FP8 cast of the normalised input (amax, cast, transposed codes) and one of the output
+gradient instead of three each: a layer's host work (launches, allocations) is paid per layer, not
+per output column, and at ``medium`` sizes that host work is what an FP8 step waits for. The one
+per-tensor scale covers q, k and v together, as in production fused-QKV FP8 layers.
 
 How their matmuls run (``linear``): ``None`` -> :class:`~tutorial_lib.models.QLinear`
 (dequantize-on-use: a quantized weight is decoded to the compute dtype, then an ordinary GEMM);
@@ -130,7 +138,8 @@ class Block(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.n1 = nn.RMSNorm(cfg.dim)
-        self.q, self.k, self.v, self.o = (_linear(cfg.dim, cfg.dim, linear) for _ in range(4))
+        self.qkv = _linear(cfg.dim, 3 * cfg.dim, linear)  # q, k, v in one GEMM (rows: q's, then k's, then v's)
+        self.o = _linear(cfg.dim, cfg.dim, linear)
         self.n2 = nn.RMSNorm(cfg.dim)
         self.fc1 = _linear(cfg.dim, cfg.hidden, linear)
         self.fc2 = _linear(cfg.hidden, cfg.dim, linear)
@@ -138,7 +147,10 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         h = self.n1(x)
-        q, k, v = (m(h).view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for m in (self.q, self.k, self.v))
+        # [b, t, 3 * d] -> three [b, heads, t, head_dim] views (no copy: SDPA takes the strides). split, not a
+        # view to [b, t, 3, heads, head_dim]: its backward is ONE concatenation of dq, dk, dv, where the 5-d
+        # view's backward stacks them and then copies the stack back into [b, t, 3 * d] order
+        q, k, v = (p.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for p in self.qkv(h).split(d, -1))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o(a.transpose(1, 2).reshape(b, t, d))
         return x + self.fc2(F.gelu(self.fc1(self.n2(x))))
@@ -149,7 +161,7 @@ class Transformer(nn.Module):
     unless built on the meta device (then ``reset_parameters()`` after ``to_empty``, or quantized init).
 
     Parameter names (the init keys): ``tok_emb.weight``, ``pos_emb.weight``,
-    ``blocks.<i>.{n1,q,k,v,o,n2,fc1,fc2}.weight``, ``norm_out.weight``, ``head.weight``.
+    ``blocks.<i>.{n1,qkv,o,n2,fc1,fc2}.weight``, ``norm_out.weight``, ``head.weight``.
     """
 
     def __init__(self, cfg: TransformerConfig = TransformerConfig(), *, seed: int = 0,
