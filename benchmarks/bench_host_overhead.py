@@ -10,7 +10,13 @@ was done is rejected and repeated: it would have measured a wait).
 Each case runs twice, in fresh processes (cuBLAS reads its environment once per process): without
 ``CUBLAS_WORKSPACE_CONFIG`` ("ours") and with ``:4096:8`` (the peer), the setting that makes cuBLAS
 deterministic across streams and that ``tutorial_lib.dist.launcher.launch`` gives CUDA ranks unless
-``deterministic=False``. The Fp8Linear case also has ``nn.Linear``'s forward + backward as a peer.
+``deterministic=False``. Some cases also have a peer from the same process: the Fp8Linear layer has
+``nn.Linear``'s forward + backward; a Triton launch through the JIT (``kernel[grid](...)``: bind and
+specialize the arguments, look the compiled kernel up, launch) has the same compiled kernel launched
+through its own launcher (GPU only: the interpreter compiles nothing); the cast with transposed codes
+(cast, then a transpose kernel) has the fused cast that writes both layouts (one launch fewer). An
+identity ``autograd.Function`` (forward + backward) measures what any custom layer pays before it
+does anything, and ``torch.zeros`` of a 0-d tensor what each cast's amax buffer costs.
 
     python benchmarks/bench_host_overhead.py            # one GPU, results into benchmarks/results/
     python benchmarks/bench_host_overhead.py --quick    # CPU: every case runs (no spin kernel), temp dir
@@ -29,7 +35,9 @@ import sys
 import time
 
 import torch
-from tutorial_kernels.transpose import transpose
+import triton
+from tutorial_kernels.fp8_cast import cast_current_scaling_with_transpose as fused_cast
+from tutorial_kernels.transpose import _transpose_kernel, transpose
 
 from tutorial_lib.harness.bench import benchmark_args, copy_bandwidth_GBps, write_results
 from tutorial_lib.matmul.fp8_linear import Fp8Linear
@@ -79,6 +87,18 @@ def cases(device: torch.device, quick: bool) -> dict[str, callable]:
     fp8_layer = Fp8Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     bf16_layer = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
     shape = f"{m}x{k} @ {k}x{n}"
+    extra = {
+        f"Triton launch through the JIT (kernel[grid](...)): transpose of {m}x{k} uint8, output preallocated":
+            _jit_launch(codes),
+        f"current-scaling FP8 cast with transposed codes (cast, then transpose), {m}x{k} bf16":
+            lambda: cast.cast_with_transpose(ab),
+        "torch.zeros of a 0-d int32 tensor (an amax buffer)": lambda: torch.zeros((), dtype=torch.int32, device=device),
+        "autograd.Function identity forward + backward (a custom layer's floor)": lambda: _Identity.apply(x).backward(
+            torch.ones_like(x)),
+    }
+    peers = {JIT_PEER: _compiled_launch(codes),  # GPU only, as the Triton cast (the CPU casts run torch's code)
+             FUSED_PEER: (lambda: fused_cast(ab, "e4m3", fused=True)) if ab.is_cuda else None}
+    extra.update({name: fn for name, fn in peers.items() if fn is not None})
     return {
         f"torch.mm bf16, {shape}": lambda: torch.mm(ab, bb),
         f"torch._scaled_mm e4m3 x e4m3 -> bf16, {shape}": lambda: torch._scaled_mm(a4, b4, one, one,
@@ -91,7 +111,64 @@ def cases(device: torch.device, quick: bool) -> dict[str, callable]:
             lambda: fp8_layer(x).backward(torch.ones(tokens, n, device=device, dtype=torch.bfloat16)),
         f"nn.Linear bf16 forward + backward, x {tokens}x{k}, weight {n}x{k}":
             lambda: bf16_layer(x).backward(torch.ones(tokens, n, device=device, dtype=torch.bfloat16)),
-    }
+    } | extra
+
+
+JIT_PEER = "the same compiled kernel through its own launcher (same process)"
+FUSED_PEER = "fused=True: one tiled kernel writes both layouts (same process)"
+_PEER_OF = {  # row name prefix -> (peer label, name prefix of the case measuring it in the same process)
+    "Triton launch through the JIT": (JIT_PEER, JIT_PEER),
+    "current-scaling FP8 cast with transposed codes": (FUSED_PEER, FUSED_PEER),
+    "Fp8Linear": ("nn.Linear bf16 forward + backward (same process)", "nn.Linear bf16 forward + backward"),
+}
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def _transpose_launch_args(codes: torch.Tensor):
+    rows, cols = codes.shape
+    out = torch.empty((cols, rows), dtype=codes.dtype, device=codes.device)
+    return (triton.cdiv(rows, 128), triton.cdiv(cols, 128), 1), (codes, out, rows, cols)
+
+
+def _jit_launch(codes: torch.Tensor):
+    """``_transpose_kernel[grid](...)`` alone: the JIT's launch path, no wrapper, no allocation."""
+    grid, args = _transpose_launch_args(codes)
+    return lambda: _transpose_kernel[grid](*args, BLOCK=128, num_warps=8)
+
+
+def _compiled_launch(codes: torch.Tensor):
+    """The same kernel, compiled once (``run(..., warmup=True)``), then launched through the compiled kernel's
+    launcher with the bound arguments -- what the JIT path ends in. None where there is no compiled kernel
+    (CPU, the interpreter) or this Triton's launcher takes other arguments (checked: the bytes must match)."""
+    if not codes.is_cuda:
+        return None
+    grid, args = _transpose_launch_args(codes)
+    try:
+        ck = _transpose_kernel.run(*args, BLOCK=128, num_warps=8, grid=grid, warmup=True)
+        stream = torch.cuda.current_stream(codes.device).cuda_stream
+
+        def launch():
+            ck.run(*grid, stream, ck.function, ck.packed_metadata, None, None, None, *args, 128)
+
+        args[1].zero_()
+        launch()
+        ok = torch.equal(args[1], codes.t().contiguous())
+    except (AttributeError, TypeError, IndexError) as exc:  # another Triton's internals
+        print(f"compiled-launcher case skipped: {type(exc).__name__}: {exc}")
+        return None
+    if not ok:
+        print("compiled-launcher case skipped: its output differs from codes.t()")
+        return None
+    return launch
 
 
 def child(quick: bool, calls: int, rounds: int) -> None:
@@ -118,13 +195,16 @@ def main(argv=None) -> None:
     calls, rounds = (3, 3) if args.quick else (20, 7)
     ours = run_child(args.quick, calls, rounds, None)
     peer = run_child(args.quick, calls, rounds, CUBLAS_ENV)
-    linear = next(n for n in ours if n.startswith("nn.Linear"))
     rows = []
     for name, times in ours.items():
+        if name in (JIT_PEER, FUSED_PEER):
+            continue  # a peer of another row, not a row
         med = statistics.median(times) / 1e3  # ms per call
         peers = {PEER: statistics.median(peer[name]) / 1e3}
-        if name.startswith("Fp8Linear"):
-            peers["nn.Linear bf16 forward + backward (same process)"] = statistics.median(ours[linear]) / 1e3
+        for prefix, (label, source) in _PEER_OF.items():
+            src = next((n for n in ours if n.startswith(source)), None) if name.startswith(prefix) else None
+            if src is not None:
+                peers[label] = statistics.median(ours[src]) / 1e3
         rows.append({"name": f"host time per call: {name}", "ours_ms": round(med, 6),
                      "peers": {k: round(v, 6) for k, v in peers.items()}, "bytes": 0, "fraction_of_copy": 0.0,
                      "kind": "host", "rounds_us": {"ours": [round(t, 2) for t in times],
