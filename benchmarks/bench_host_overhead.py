@@ -202,8 +202,7 @@ def main(argv=None) -> None:
         med = statistics.median(times) / 1e3  # ms per call
         peers = {PEER: statistics.median(peer[name]) / 1e3}
         for prefix, (label, source) in _PEER_OF.items():
-            src = next((n for n in ours if n.startswith(source)), None) if name.startswith(prefix) else None
-            if src is not None:
+            if name.startswith(prefix) and (src := next((n for n in ours if n.startswith(source)), None)):
                 peers[label] = statistics.median(ours[src]) / 1e3
         rows.append({"name": f"host time per call: {name}", "ours_ms": round(med, 6),
                      "peers": {k: round(v, 6) for k, v in peers.items()}, "bytes": 0, "fraction_of_copy": 0.0,

@@ -39,7 +39,7 @@ from tutorial_lib.harness.bench import track_peak_memory
 from tutorial_lib.models import counter_uniform, reset_parameters_
 from tutorial_lib.quant.registry import make_quantizer
 from tutorial_lib.train.loop import TrainConfig, TrainResult, train_model
-from tutorial_lib.train.transformer import TransformerConfig
+from tutorial_lib.train.transformer import Transformer, TransformerConfig, quantized_select
 
 __all__ = ["AccumulationResult", "MainGradFn", "MainGradLinear", "MainGradPitfallResult", "PitfallNet", "SweepResult",
            "accumulation_check", "blockwise_format", "main_grad_pitfall", "train_runs", "unshardable_reason"]
@@ -80,10 +80,13 @@ def unshardable_reason(fmt: str, size: str, world_size: int) -> str:
     ``world_size`` ranks, else the library's reason (the check quantized init runs before allocating)."""
     if fmt == "bf16":
         return ""
-    cfg = TransformerConfig.preset(size)
+    with torch.device("meta"):  # the model's own quantized weights (shapes only): no list to keep in sync
+        model = Transformer(TransformerConfig.preset(size))
+    shapes = dict.fromkeys(tuple(m.weight.shape) for name, m in model.named_modules()
+                           if quantized_select(m, "weight", f"{name}.weight"))
     q = make_quantizer(fmt)
     try:
-        for shape in ((3 * cfg.dim, cfg.dim), (cfg.dim, cfg.dim), (cfg.hidden, cfg.dim), (cfg.dim, cfg.hidden)):
+        for shape in shapes:
             check_fsdp_shardable(meta_quantized(q, shape, torch.float32), world_size, f"weight {list(shape)}")
     except ValueError as exc:
         return str(exc)
