@@ -20,7 +20,7 @@ accumulator::
     |  a_0    |  a_1    |  a_2    |     for kb:
     +---------+---------+---------+         d   = tl.dot(a_kb, b_kb.T)            FP8 x FP8 -> fp32
     BLOCK_M rows, a scale sa[m, kb]         acc += d * sa[:, kb, None] * sb[kb]    promote + rescale
-    per row and k-block                 out = acc.to(bf16)
+    per row and k-block                 out = (acc + bias).to(bf16)           bias optional, fp32 add
 
 Why a scale per block tolerates outliers: a per-tensor scale is set by the largest |x| of the
 whole tensor, so one outlier pushes every other value toward E4M3's subnormals (or to zero). Here
@@ -98,7 +98,7 @@ import torch
 import triton
 import triton.language as tl
 from tutorial_kernels import interpreted
-from tutorial_kernels.fp8_round import decode_fp8, to_bf16
+from tutorial_kernels.fp8_round import decode_fp8, to_bf16, widen_to_fp32
 
 __all__ = ["SCALE_BLOCK", "OUT_DTYPES", "B_BLOCKS", "check_blockwise_gemm_operands", "blockwise_fp8_gemm",
            "default_config", "tuning_configs"]
@@ -154,8 +154,10 @@ def _scales(sa, sb, B_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _store_tile(c_ptr, acc, rows, cols, M, N, OUT_BF16: tl.constexpr):
+def _store_tile(c_ptr, bias_ptr, acc, rows, cols, M, N, OUT_BF16: tl.constexpr, HAS_BIAS: tl.constexpr):
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+    if HAS_BIAS:  # the epilogue's bias: added to the fp32 result, before its one rounding
+        acc = acc + widen_to_fp32(tl.load(bias_ptr + cols))[None, :]
     if OUT_BF16:
         c = to_bf16(acc)  # round to nearest even on both backends
     else:
@@ -164,10 +166,10 @@ def _store_tile(c_ptr, acc, rows, cols, M, N, OUT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, K,
+def _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, bias_ptr, M, N, K,
                s_am, s_ak, s_bn, s_bk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
                USE_TMA: tl.constexpr, INTERPRETED: tl.constexpr, OUT_BF16: tl.constexpr, WS: tl.constexpr,
-               B_ROWS: tl.constexpr):
+               B_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of out. BLOCK_N = 256 is two 128-wide halves (two weight tiles), each
     with its own dot, scale and accumulator: a [BLOCK_M, 128] dot result is all that is ever live next
     to the accumulators."""
@@ -205,17 +207,17 @@ def _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, 
             b1 = _load_tile(b_ptrs + 128 * K, b_desc, col0 + 128, kb, USE_TMA)
             sb1 = tl.load(sb_ptr0 + (128 if B_ROWS else 1) * s_bn + kb * s_bk)  # the second half's rows / tile
             acc1 += _block_dot(a, b1, INTERPRETED) * _scales(sa, sb1, B_ROWS)
-    _store_tile(c_ptr, acc, rows, cols, M, N, OUT_BF16)
+    _store_tile(c_ptr, bias_ptr, acc, rows, cols, M, N, OUT_BF16, HAS_BIAS)
     if BLOCK_N == 256:
-        _store_tile(c_ptr, acc1, rows, cols + 128, M, N, OUT_BF16)
+        _store_tile(c_ptr, bias_ptr, acc1, rows, cols + 128, M, N, OUT_BF16, HAS_BIAS)
 
 
 @triton.jit
-def _blockwise_fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, s_am, s_ak, s_bn, s_bk,
+def _blockwise_fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, bias_ptr, M, N, K, s_am, s_ak, s_bn, s_bk,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
                                USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, OCCUPANCY: tl.constexpr,
                                INTERPRETED: tl.constexpr, OUT_BF16: tl.constexpr, WS: tl.constexpr = False,
-                               B_ROWS: tl.constexpr = False):
+                               B_ROWS: tl.constexpr = False, HAS_BIAS: tl.constexpr = False):
     """Non-persistent: program i computes tile i. PERSISTENT: OCCUPANCY programs per SM (the launcher sizes
     the grid from it; the kernel only strides by the grid) each walk the tiles."""
     if USE_TMA:
@@ -229,11 +231,12 @@ def _blockwise_fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, s_a
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * (N // BLOCK_N)
         for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-            _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, K, s_am, s_ak, s_bn, s_bk,
-                       BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16, WS, B_ROWS)
+            _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, bias_ptr, M, N, K, s_am, s_ak,
+                       s_bn, s_bk, BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16, WS, B_ROWS, HAS_BIAS)
     else:
-        _gemm_tile(tl.program_id(0), a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, M, N, K,
-                   s_am, s_ak, s_bn, s_bk, BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16, WS, B_ROWS)
+        _gemm_tile(tl.program_id(0), a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, bias_ptr, M, N, K,
+                   s_am, s_ak, s_bn, s_bk, BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16, WS, B_ROWS,
+                   HAS_BIAS)
 
 
 # --------------------------------------------------------------------------- configs
@@ -282,7 +285,7 @@ def _prune(configs, named_args, **kwargs):
     return small or ok
 
 
-_tuned_kernel = triton.autotune(configs=tuning_configs(), key=["M", "N", "K", "B_ROWS"],
+_tuned_kernel = triton.autotune(configs=tuning_configs(), key=["M", "N", "K", "B_ROWS", "HAS_BIAS"],
                                 prune_configs_by={"early_config_prune": _prune})(_blockwise_fp8_gemm_kernel)
 
 
@@ -348,6 +351,17 @@ def _check_layout(a_data, a_scale_inv, b_data, b_scale_inv, out_dtype, out, M, N
                          f"{out.dtype} {tuple(out.shape)} on {out.device} (contiguous={out.is_contiguous()})")
 
 
+def _check_bias(bias, N: int, out_dtype: torch.dtype, device) -> None:
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != N:
+        got = f"{bias.dtype} {tuple(bias.shape)}" if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"bias must be a 1-d tensor of the N = {N} output columns, got {got}")
+    if bias.dtype != out_dtype or bias.device != device or not bias.is_contiguous():
+        raise ValueError(f"bias must be a contiguous {out_dtype} tensor (the output dtype) on {device}, got "
+                         f"{bias.dtype} on {bias.device} (contiguous={bias.is_contiguous()})")
+
+
 def _tma_scratch(size: int, alignment: int, stream):
     """Global scratch for device-side TMA descriptors (``triton.set_allocator``)."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
@@ -359,7 +373,7 @@ _num_sms: dict[int, int] = {}
 def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: torch.Tensor,
                        b_scale_inv: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
                        out: torch.Tensor | None = None, config: dict | None = None,
-                       b_block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+                       b_block: tuple[int, int] = (128, 128), bias: torch.Tensor | None = None) -> torch.Tensor:
     """``out [M, N] = (a * sa) @ (b * sb).T``: FP8 blockwise GEMM, fp32 accumulation, one dot per 128-block of K.
 
     a_data uint8 E4M3 codes [M, K] (row-major), a_scale_inv fp32 [M, K/128]; b_data uint8 E4M3
@@ -367,6 +381,8 @@ def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: 
     dequantization multipliers (what ``quantize_fp8_blockwise`` returns), any strides. The result
     is rounded to ``out_dtype`` (bf16, fp16 or fp32) once, at the end; ``out`` may be given.
     ``b_block=(1, 128)``: ``b`` is activation-like (wgrad), b_scale_inv fp32 [N, K/128].
+    ``bias`` (a contiguous [N] tensor of ``out_dtype``): added to each row of the fp32 result before that
+    one rounding (the rule of cuBLASLt's epilogue bias, which torch's scaled GEMMs use).
     ``config`` (keys BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, PERSISTENT, OCCUPANCY -- programs per SM of
     a persistent launch --, WS -- warp specialization --, num_warps, num_stages) skips the autotuner:
     benchmarks and tests use it to pin one variant.
@@ -380,6 +396,7 @@ def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: 
     """
     M, N, K = check_blockwise_gemm_operands(a_data, a_scale_inv, b_data, b_scale_inv, b_block)
     _check_layout(a_data, a_scale_inv, b_data, b_scale_inv, out_dtype, out, M, N)
+    _check_bias(bias, N, out_dtype, a_data.device)
     if out is None:
         out = torch.empty((M, N), dtype=out_dtype, device=a_data.device)
     if M == 0:
@@ -395,9 +412,10 @@ def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: 
     if dev not in _num_sms:
         _num_sms[dev] = torch.cuda.get_device_properties(dev).multi_processor_count if a_data.is_cuda else 4
     num_sms = _num_sms[dev]
-    args = (a, a_scale_inv, b, b_scale_inv, out, M, N, K, a_scale_inv.stride(0), a_scale_inv.stride(1),
-            b_scale_inv.stride(0), b_scale_inv.stride(1))
-    flags = {"INTERPRETED": interp, "OUT_BF16": out_dtype == torch.bfloat16, "B_ROWS": tuple(b_block) == (1, 128)}
+    args = (a, a_scale_inv, b, b_scale_inv, out, out if bias is None else bias, M, N, K, a_scale_inv.stride(0),
+            a_scale_inv.stride(1), b_scale_inv.stride(0), b_scale_inv.stride(1))
+    flags = {"INTERPRETED": interp, "OUT_BF16": out_dtype == torch.bfloat16, "B_ROWS": tuple(b_block) == (1, 128),
+             "HAS_BIAS": bias is not None}
 
     def grid(meta):
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * (N // meta["BLOCK_N"])

@@ -35,14 +35,16 @@ def _assert_identical(got, ref):
 
 
 def _awkward(rows, cols, dtype, seed):
-    """Rows spanning the dtype's range (for fp32/bf16 ~200 binades), outliers, an all-zero and an
-    all-minus-zero block, a subnormal-amax block, a block whose amax / 448 underflows fp32 (fp32 only;
-    zeros in the narrower types), NaN and +-inf blocks."""
+    """Rows spanning the dtype's range (for fp32/bf16 ~200 binades), outliers, scattered zeros and minus zeros,
+    an all-zero and an all-minus-zero block, a subnormal-amax block, a block whose amax / 448 underflows fp32
+    (fp32 only; zeros in the narrower types), NaN and +-inf blocks."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, cols, generator=g, dtype=torch.float64)
     lo, hi = (-6, 3) if dtype == torch.float16 else (-30, 30)
     x = x * torch.logspace(lo, hi, rows, dtype=torch.float64).unsqueeze(1)
     x.view(-1)[7::301] *= 3000
+    x.view(-1)[11::5] = 0.0  # zeros and minus zeros among non-zero values: each keeps its sign's code
+    x.view(-1)[13::7] = -0.0
     x[1, 128:256] = 0
     x[2, 0:128] = -0.0
     x[3, 256:384] = torch.randn(128, generator=g, dtype=torch.float64) * 1e-39  # subnormal in fp32 and bf16
@@ -247,6 +249,8 @@ def test_compiled_kernel_is_identical_on_large_tensors(pow2):
     g = torch.Generator(device="cuda").manual_seed(42)
     x = (torch.randn(4096, 8192, device="cuda", generator=g) * 3).to(torch.bfloat16)
     x[::97, ::13] *= 1e4
+    x[::3, ::2] = 0.0  # zeros and minus zeros in most blocks: each keeps its sign's code
+    x[1::5, 1::3] = -0.0
     x[5, 1000] = float("nan")
     for v in (x, x.t(), x[:4000:3, 128:]):  # row-major, column-major (wgrad's x.t()), strided rows
         _assert_identical(quantize_1x128(v, pow2_scales=pow2), _reference(v, pow2))

@@ -192,6 +192,21 @@ def test_bad_b_block_and_its_scale_shape_raise_naming_the_rule():
         blockwise_fp8_gemm(a, sa, b[:64].contiguous(), torch.ones(64, 2, device=DEV), b_block=(1, 128))
 
 
+def test_bias_is_checked_and_added_to_the_fp32_result_before_rounding():
+    """The kernel's epilogue bias: fp32 result + bias, one rounding (the blockwise GEMM tests of
+    ``tests/matmul/test_scaled_mm.py`` check its exact value on integer operands, both pairings)."""
+    a, sa, b, sb = _operands(16, 128, 128, 52)
+    bias = torch.randn(128, device=DEV).to(torch.bfloat16) * 8
+    acc = blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32, config=CFG)
+    out = blockwise_fp8_gemm(a, sa, b, sb, bias=bias, config=CFG)
+    assert torch.equal(out, (acc + bias.float()).to(torch.bfloat16))
+    for bad, match in ((torch.zeros(127, device=DEV, dtype=torch.bfloat16), "1-d tensor of the N = 128"),
+                       (torch.zeros(128, device=DEV), "contiguous torch.bfloat16 tensor"),
+                       (torch.zeros(256, device=DEV, dtype=torch.bfloat16)[::2], "contiguous torch.bfloat16")):
+        with pytest.raises(ValueError, match=match):
+            blockwise_fp8_gemm(a, sa, b, sb, bias=bad)
+
+
 def test_bad_out_and_out_dtype_raise():
     args = _good()
     with pytest.raises(ValueError, match="out_dtype must be one of"):
@@ -213,21 +228,22 @@ from triton.compiler import ASTSource
 import tutorial_kernels.fp8_gemm as k
 
 sig = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*fp32", "c_ptr": "*bf16",
-       "M": "i32", "N": "i32", "K": "i32", "s_am": "i32", "s_ak": "i32", "s_bn": "i32", "s_bk": "i32"}
+       "bias_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "s_am": "i32", "s_ak": "i32", "s_bn": "i32",
+       "s_bk": "i32"}
 out = {}
 for tma in (False, True):
     consts = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "USE_TMA": tma, "PERSISTENT": False, "OCCUPANCY": 1,
-              "INTERPRETED": False, "OUT_BF16": True, "WS": False, "B_ROWS": False}
+              "INTERPRETED": False, "OUT_BF16": True, "WS": False, "B_ROWS": False, "HAS_BIAS": False}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*") or n in "NK"}
     src = ASTSource(fn=k._blockwise_fp8_gemm_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
                     constexprs=consts, attrs=attrs)
     out["tma" if tma else "pointers"] = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                                                        options={"num_warps": 8, "num_stages": 4}).asm["ptx"]
-consts = {**consts, "BLOCK_N": 256, "PERSISTENT": True, "WS": True}  # the warp-specialized config
+consts = {**consts, "BLOCK_N": 256, "PERSISTENT": True, "WS": True, "HAS_BIAS": True}  # warp-specialized, bias
 src = ASTSource(fn=k._blockwise_fp8_gemm_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
                 constexprs=consts, attrs=attrs)
 out["ws"] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
-consts = {**consts, "B_ROWS": True}  # the same, with wgrad's per-row scales of b
+consts = {**consts, "B_ROWS": True, "HAS_BIAS": False}  # the same, with wgrad's per-row scales of b
 src = ASTSource(fn=k._blockwise_fp8_gemm_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
                 constexprs=consts, attrs=attrs)
 out["ws_rows"] = triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -240,8 +256,8 @@ print(json.dumps(out))
 def test_compiled_kernel_uses_fp8_tensor_cores(compile_ptx):
     """CPU CI never compiles the kernel; compile it for sm_90 and check the dot is an FP8 wgmma
     (E4M3 x E4M3 -> fp32, 4 instructions of k = 32 per 128-block) and the TMA variant uses TMA; the
-    warp-specialized 128 x 256 config runs 3 warpgroups (a TMA producer, two consumers that each issue
-    the 2 x 4 wgmmas of their 64 rows, with registers moved to them by setmaxnreg)."""
+    warp-specialized 128 x 256 config (compiled with the epilogue's bias) runs 3 warpgroups (a TMA producer, two
+    consumers that each issue the 2 x 4 wgmmas of their 64 rows, with registers moved to them by setmaxnreg)."""
     ptx = compile_ptx(_AOT, timeout=300)
     for name in ("tma", "pointers"):
         assert ptx[name].count("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3") == 4, name

@@ -35,9 +35,9 @@ from tutorial_lib.dist.launcher import launch, run_sequence
 from tutorial_lib.lessons.fp8_matmuls import step_breakdown, train_compare_fp8
 from tutorial_lib.matmul import reference as R
 from tutorial_lib.matmul.fp8_linear import Fp8Linear, Fp8Recipe, fp8_linear, swap_linears
-from tutorial_lib.matmul.scaled_mm import GEMM_CALLS, FP8LayoutError, fp8_tensor_cores
+from tutorial_lib.matmul.scaled_mm import GEMM_CALLS, FP8LayoutError, blockwise_mm, fp8_mm, fp8_tensor_cores
 from tutorial_lib.models import BlockMLP, QLinear, counter_uniform
-from tutorial_lib.quant.blockwise import FP8BlockwiseTensor
+from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer, FP8BlockwiseTensor
 from tutorial_lib.quant.fallback import FALLBACKS, reset_counters, strict_dispatch
 from tutorial_lib.quant.float8 import CurrentScaling, Float8Tensor
 from tutorial_lib.quant.registry import make_quantizer
@@ -128,6 +128,29 @@ def test_forward_and_backward_within_derived_bounds(device, kind, dtype, backend
     u = U_OUT[dtype]
     db_bound = m * u / (1 - m * u) * g2.double().abs().sum(0) + u * g2.double().sum(0).abs()
     assert ((db.double() - g2.double().sum(0)).abs() <= db_bound).all()
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "blockwise"])
+def test_the_bias_joins_the_fprop_gemm_before_its_one_rounding(kind):
+    """bf16 layer: y equals the FP8 GEMM's fp32 result plus the bias, rounded ONCE to bf16 -- the GEMM's
+    epilogue, like nn.Linear's -- not the GEMM rounded to bf16 and a bf16 bias added after (a second rounding,
+    which differs on these inputs). A bias of another dtype is added after the GEMM, with torch's promotion."""
+    recipe = Fp8Recipe(kind)
+    w, bias, x, _ = _layer(recipe, "cpu", torch.bfloat16)
+    bias = nn.Parameter(bias.detach() * 64)  # large enough that the output rounding depends on where it is added
+    x2 = x.detach().reshape(-1, x.shape[-1])
+    y = fp8_linear(x, w, bias, recipe).reshape(x2.shape[0], -1)
+    if kind == "hybrid":
+        quant = make_quantizer("fp8")  # E4M3, current scaling: the layer's cast of x and of a bf16 weight
+        acc = fp8_mm(quant.quantize(x2), quant.quantize(w.detach()).t(), out_dtype=torch.float32)
+    else:
+        acc = blockwise_mm(BlockwiseFP8Quantizer((1, 128)).quantize(x2),
+                           BlockwiseFP8Quantizer((128, 128)).quantize(w.detach()), out_dtype=torch.float32)
+    once = (acc + bias.detach().float()).to(torch.bfloat16)
+    assert torch.equal(y, once)
+    assert not torch.equal(acc.to(torch.bfloat16) + bias.detach(), once)
+    y32 = fp8_linear(x, w, nn.Parameter(bias.detach().float()), recipe).reshape(x2.shape[0], -1)
+    assert y32.dtype == torch.float32 and torch.equal(y32, acc.to(torch.bfloat16) + bias.detach().float())
 
 
 @pytest.mark.parametrize("kind", ["hybrid", "blockwise"])

@@ -89,7 +89,7 @@ def _expected_hybrid(layer, x, g, pow2):
     """The layer's three GEMMs through the public, fully checked ``fp8_mm`` on Float8Tensor operands."""
     e4, e5 = CurrentScaling("e4m3", pow2=pow2), CurrentScaling("e5m2", pow2=pow2)
     x8, w8, g8 = e4.quantize(x.detach()), e4.quantize(layer.weight.detach()), e5.quantize(g)
-    y = fp8_mm(x8, w8.t(), out_dtype=x.dtype) + layer.bias.detach()
+    y = fp8_mm(x8, w8.t(), out_dtype=x.dtype, bias=layer.bias.detach())  # the bias in the epilogue
     dx = fp8_mm(g8, w8.t().contiguous().t(), out_dtype=x.dtype)  # B = W [N, K] column-major: a transposed copy
     dw = fp8_mm(g8.t().contiguous(), x8.t().contiguous().t(), out_dtype=x.dtype)
     return y, dx, dw, g.sum(0)
@@ -103,7 +103,7 @@ def _expected_blockwise(layer, x, g, pow2):
     w_t = FP8Blockwise128x128Tensor.from_buffers({"data": wb["data"].t().contiguous(),
                                                   "scale_inv": wb["scale_inv"].t().contiguous()}, {},
                                                  (w8.shape[1], w8.shape[0]), w8.dtype)
-    y = blockwise_mm(q1.quantize(x.detach()), w8, out_dtype=x.dtype) + layer.bias.detach()
+    y = blockwise_mm(q1.quantize(x.detach()), w8, out_dtype=x.dtype, bias=layer.bias.detach())
     dx = blockwise_mm(q1.quantize(g), w_t, out_dtype=x.dtype)
     dw = blockwise_mm(q1.quantize(g.t()), q1.quantize(x.detach().t()), out_dtype=x.dtype)
     return y, dx, dw, g.sum(0)

@@ -234,6 +234,39 @@ def test_integer_operands_are_exact_on_every_path(device, scaling):
         assert torch.equal(out.double(), ref), f"{scaling} on {device} via {backend} is not exact"
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("scaling", ["tensorwise", "1x128x128x128", "1x128x1x128"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_bias_is_added_before_the_one_rounding_on_every_path(device, scaling, out_dtype):
+    """The bias joins the fp32 result in the GEMM's epilogue, then ONE rounding to ``out_dtype``. Integer
+    operands make the fp32 result exact (see above) and quarter-valued biases keep result + bias exact in
+    fp32, so every path must equal the float64 sum rounded once. Results reach the thousands and bf16 keeps 8
+    significant bits, so in bf16 rounding the product first and adding the bias after (a second rounding) gives
+    other values -- checked below, so this test tells the two apart."""
+    m, k, n = 32, 256, 128
+    g = torch.Generator().manual_seed(17)
+    bias = (torch.randint(-32, 33, (n,), generator=g).float() / 4).to(out_dtype).to(device)
+    for backend in _backends(scaling, device):
+        if scaling == "tensorwise":
+            a, w = _int_f8((m, k), "e4m3", 2.0, 11, device), _int_f8((n, k), "e4m3", 2.0, 12, device)
+            out = fp8_mm(a, w.t(), out_dtype=out_dtype, backend=backend, bias=bias)
+            ab, wb = a.raw_buffers(), w.raw_buffers()
+            ref = R.per_tensor_fp8_gemm_reference(ab["data"], ab["scale_inv"], wb["data"], wb["scale_inv"],
+                                                  out_dtype=torch.float64)
+        else:
+            a = _int_blockwise((m, k), (1, 128), 15, device)
+            w = _int_blockwise((n, k), (128, 128) if scaling == "1x128x128x128" else (1, 128), 16, device)
+            out = blockwise_mm(a, w, out_dtype=out_dtype, backend=backend, bias=bias)
+            ab, wb = a.raw_buffers(), w.raw_buffers()
+            ref = (R.dequantize_blockwise_f64(ab["data"], ab["scale_inv"], (1, 128))
+                   @ R.dequantize_blockwise_f64(wb["data"], wb["scale_inv"], w.block).T)
+        once = (ref + bias.double()).to(out_dtype)
+        assert out.dtype == out_dtype and torch.equal(out, once), f"{scaling} {out_dtype} via {backend}"
+        if out_dtype == torch.bfloat16:
+            twice = (ref.to(out_dtype) + bias).to(out_dtype)
+            assert not torch.equal(twice, once), "the operands do not tell one rounding from two"
+
+
 # ----------------------------------------------------------------------------- backends, labels, no dequantize
 
 
@@ -320,6 +353,15 @@ BAD_CALLS = {
     "blockwise fast accum": (lambda: blockwise_mm(BlockwiseFP8Quantizer((1, 128)).quantize(torch.randn(32, 128)),
                                                   BlockwiseFP8Quantizer((128, 128)).quantize(torch.randn(128, 128)),
                                                   use_fast_accum=True), "no fast accumulation"),
+    "bias not [N]": (lambda: fp8_mm(A, W.t(), out_dtype=torch.float32, bias=torch.zeros(47)), "bias \\[N\\]"),
+    "bias 2-D": (lambda: fp8_mm(A, W.t(), out_dtype=torch.float32, bias=torch.zeros(1, 48)), "bias \\[N\\]"),
+    "bias dtype": (lambda: fp8_mm(A, W.t(), out_dtype=torch.bfloat16, bias=torch.zeros(48)),
+                   "bias in the output dtype"),
+    "bias strided": (lambda: fp8_mm(A, W.t(), out_dtype=torch.float32, bias=torch.zeros(96)[::2]), "contiguous"),
+    "blockwise bias dtype": (lambda: blockwise_mm(BlockwiseFP8Quantizer((1, 128)).quantize(torch.randn(32, 128)),
+                                                  BlockwiseFP8Quantizer((128, 128)).quantize(torch.randn(128, 128)),
+                                                  out_dtype=torch.bfloat16, bias=torch.zeros(128)),
+                             "bias in the output dtype"),
 }
 
 

@@ -4,6 +4,7 @@
 ``reference``       THE float64 references for scaled matmuls (FP8 blockwise 1x128 x 128x128,
                     per-tensor / row-wise) and the derived error bound that every GEMM test,
                     the lesson and ``benchmarks/bench_fp8_gemm.py`` compare against
+``emulation``       the FP8 GEMMs computed in fp32 (exact products, fp32 sums): the CPU path
 ``scaled_mm``       torch's ``scaled_mm`` with the repository's quantized buffers
 ``fp8_linear``      ``nn.Linear`` computed with FP8 GEMMs
 ==================  ==========================================================================

@@ -36,7 +36,10 @@ the unsharded weight is a :class:`~tutorial_lib.quant.float8.Float8Tensor` holdi
 FP8 bytes (lesson 06) -- its codes and scale go straight into the GEMMs: no dequantize, no
 fallback. A high-precision weight is quantized on every forward. Either way the weight's gradient
 is a plain tensor of the parameter's nominal dtype (what FSDP2's reduce-scatter and the optimizers
-expect); the bias is added, and its gradient summed, in high precision.
+expect). The bias is added inside the fprop GEMM, to its fp32 result before the one rounding to
+x's dtype (the GEMM's epilogue, as ``nn.Linear``'s cuBLAS GEMM does it) -- not by a separate kernel
+that reads and writes the whole output again; a bias of another dtype than x is added after the
+GEMM, with torch's type promotion. Its gradient is summed in high precision.
 
 What is saved for backward: the weight (the parameter itself; FSDP2 refills its bytes in place
 before backward) or its FP8 copy, and x as FP8 codes + scale (``save_fp8_input=True``: 1 byte
@@ -207,6 +210,15 @@ def _quantize_1x128_pair(t: torch.Tensor, recipe: Fp8Recipe):
     return quantize_fp8_1x128_with_transpose(t, pow2_scales=recipe.pow2_scales)
 
 
+def _epilogue_bias(bias, x_dtype: torch.dtype, n: int):
+    """``bias`` when the fprop GEMM can add it in its epilogue (a contiguous [N] tensor of x's dtype -- the
+    output dtype), else None: then the layer adds it after the GEMM, with torch's type promotion."""
+    if bias is not None and bias.dtype == x_dtype and bias.dim() == 1 and bias.shape[0] == n and \
+            bias.is_contiguous() and not isinstance(bias, DTensor):
+        return bias
+    return None
+
+
 def _require_high_precision(t: torch.Tensor) -> None:
     """Refuse a 1-byte float ``t`` before quantizing it, as a quantized tensor's nominal dtype is refused."""
     if t.dtype.itemsize < 2:
@@ -273,6 +285,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         ctx.guess = guess
         ctx.w_dtype = weight.dtype
         x_codes = (None, None)
+        epi_bias = _epilogue_bias(bias, x.dtype, weight.shape[0])
         if recipe.kind == "hybrid":
             with _phase("quantize"):
                 if want_w and recipe.save_fp8_input:  # x's codes for fprop and x.T's, saved for wgrad
@@ -284,7 +297,7 @@ class _Fp8LinearFn(torch.autograd.Function):
                 w_col = w_data.t()  # W [N, K] row-major IS the column-major B = W.T
                 check_fp8_gemm(xq.data, w_col, "e4m3", "e4m3", x.dtype)
                 y = fp8_mm_codes(xq.data, "e4m3", xq.scale_inv, w_col, "e4m3", w_scale, out_dtype=x.dtype,
-                                 use_fast_accum=recipe.use_fast_accum, backend=recipe.backend)
+                                 use_fast_accum=recipe.use_fast_accum, backend=recipe.backend, bias=epi_bias)
             if want_w and recipe.save_fp8_input:
                 x_codes = (x_t, xq.scale_inv)
         else:
@@ -298,9 +311,9 @@ class _Fp8LinearFn(torch.autograd.Function):
             with _phase("fprop"):
                 check_blockwise_codes(*xq, w_data, w_scale, x.dtype, recipe.use_fast_accum)
                 y = blockwise_mm_codes(*xq, w_data, w_scale, w_block=(128, 128), out_dtype=x.dtype,
-                                       use_fast_accum=recipe.use_fast_accum, backend=recipe.backend)
-        if bias is not None:
-            y = y + bias  # high precision
+                                       use_fast_accum=recipe.use_fast_accum, backend=recipe.backend, bias=epi_bias)
+        if bias is not None and epi_bias is None:
+            y = y + bias  # a bias of another dtype than x: torch's promotion, as F.linear's add would do
         # Saved for backward. dgrad needs the weight: the parameter itself when it is FP8 (FSDP2 refills its
         # bytes in place before backward), else the codes cast above. wgrad needs x: x.T's FP8 codes + scale
         # (1 byte/element; both recipes keep the transposed operand wgrad reads) or x itself (requantized in

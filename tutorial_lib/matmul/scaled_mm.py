@@ -21,6 +21,8 @@ scales are applied in the epilogue. What the hardware path accepts, and what to 
     scales, per-tensor    fp32, one element each (0-d, [1] or [1, 1])
     scales, row-wise      fp32 scale_a [M, 1] and scale_b [1, N], contiguous   (also E5M2 x E4M3 on sm_90)
     out dtype             bf16, fp16 or fp32 (an FP8 output exists; not used here)
+    bias (optional)       [N], contiguous, of the out dtype; added to the fp32  cuBLASLt refuses it with an fp32
+                          result before its one rounding (the epilogue)      output: we add after (same value)
     use_fast_accum        keep the whole K sum in the tensor core's reduced-precision accumulator;
                           False promotes partial sums to fp32 (the default, and always for grads)
     device                CUDA, compute capability >= 8.9 (tensor cores with FP8)
@@ -32,15 +34,15 @@ M-major, B's 128x128 scales K-block-major padded to a multiple of 4 K-blocks. Ou
 tensors keep their scales row-major, so the torch backend re-lays out the *scales* (1/32 of A's
 bytes, 1/4096 of B's); the FP8 operands themselves are never copied here.
 
-Backends (``backend=``): ``"torch"`` (the tensor cores through torch; per-tensor also runs on CPU
-through torch's own CPU kernel, which has no row-wise scales), ``"triton"`` (blockwise only: the repository's
-``tutorial_kernels.fp8_gemm``), ``"emulated"`` (codes decoded to fp32 -- exact --, multiplied with
-fp32 accumulation, scales applied per tensor / row / 128-wide K block as the hardware does:
-an EMULATION of the FP8 GEMM and the CPU path). MXFP8 and NVFP4 need MX tensor cores (not on
-Hopper): :func:`emulated_mm` multiplies any two quantized tensors by dequantizing them to fp32 --
-an emulation, named so in :data:`GEMM_CALLS`. ``"auto"``: CUDA with FP8 tensor cores -> ``"torch"`` (blockwise: sm_90 ->
-torch, other FP8-capable GPUs -> triton, both pairings); CPU -> ``"emulated"``. Every call is counted in
-:data:`GEMM_CALLS` by (scaling, backend), so a caller can tell what ran. On CPU all backends
+Backends (``backend=``): ``"torch"`` (the tensor cores through torch; per-tensor also runs on CPU through
+torch's own CPU kernel, which has no row-wise scales), ``"triton"`` (blockwise only: the repository's
+``tutorial_kernels.fp8_gemm``), ``"emulated"`` (codes decoded to fp32 -- exact --, multiplied with fp32
+accumulation, scales applied per tensor / row / 128-wide K block as the hardware does: an EMULATION of the
+FP8 GEMM and the CPU path, :mod:`tutorial_lib.matmul.emulation`). MXFP8 and NVFP4 need MX tensor cores (not
+on Hopper): :func:`emulated_mm` multiplies any two quantized tensors by dequantizing them to fp32 -- an
+emulation, named so in :data:`GEMM_CALLS`. ``"auto"``: CUDA with FP8 tensor cores -> ``"torch"`` (blockwise:
+sm_90 -> torch, other FP8-capable GPUs -> triton, both pairings); CPU -> ``"emulated"``. Every call is
+counted in :data:`GEMM_CALLS` by (scaling, backend), so a caller can tell what ran. On CPU all backends
 agree up to accumulation order (FP8 products are exact in fp32).
 
 :func:`fp8_mm` and :func:`blockwise_mm` check everything on every call. Code that makes its
@@ -73,6 +75,8 @@ import torch
 import torch.nn.functional as F
 import tutorial_kernels.fp8_gemm as fp8_gemm_kernels
 
+from tutorial_lib.matmul.emulation import BLOCK as _BLOCK
+from tutorial_lib.matmul.emulation import blockwise_emulated, scaled_emulated
 from tutorial_lib.quant.blockwise import FP8Blockwise1x128Tensor, FP8Blockwise128x128Tensor
 from tutorial_lib.quant.float8 import FP8_DTYPES, Float8Tensor
 from tutorial_lib.quant.per_tensor import scale_from_amax
@@ -90,9 +94,6 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 GEMM_CALLS: collections.Counter = collections.Counter()
 """``(scaling, backend) -> calls``: scaling is "tensorwise", "rowwise", "1x128x128x128" or "1x128x1x128"."""
-
-_BLOCK = 128
-
 
 class FP8LayoutError(ValueError):
     """An operand breaks a rule of the FP8 tensor-core GEMM; the message names the rule and the fix."""
@@ -229,33 +230,42 @@ def _check_rowwise_scale(name: str, s: torch.Tensor, shape: tuple[int, int], dev
         _fail("one device", f"scale_{name} on {s.device}, operands on {device}", "move the scale to the operands")
 
 
+def _check_bias(bias, n: int, out_dtype: torch.dtype, device) -> None:
+    """The bias rule: None, or a contiguous [N] tensor of the output dtype on the operands' device."""
+    if bias is None:
+        return
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != n:
+        got = f"{bias.dtype} of shape {list(bias.shape)}" if isinstance(bias, torch.Tensor) else type(bias).__name__
+        _fail("bias [N]", f"bias is {got}, N={n}", f"pass a 1-D bias of the {n} output columns")
+    if bias.dtype != out_dtype:
+        _fail("bias in the output dtype", f"bias is {bias.dtype}, out_dtype={out_dtype}",
+              f"pass bias.to({out_dtype}) (the GEMM adds it to its fp32 result, then rounds once to {out_dtype})")
+    if bias.device != torch.device(device) or not bias.is_contiguous():
+        _fail("bias contiguous, on the operands' device", f"bias on {bias.device}, strides {bias.stride()}",
+              f"pass bias.contiguous() on {device}")
+
+
+
 # ----------------------------------------------------------------------------- the GEMMs
 
 
-def _decode(data: torch.Tensor, fmt: str) -> torch.Tensor:
-    """FP8 codes -> their fp32 values (exact: every FP8 value is an fp32 value)."""
-    return data.view(FP8_DTYPES[fmt]).to(torch.float32)
-
-
-def _scaled_emulated(a_data, a_fmt, b_data, b_fmt, scale_a, scale_b, out_dtype) -> torch.Tensor:
-    """EMULATION: fp32 values of the codes, exact products, fp32 sums, then the scales (as in the epilogue)."""
-    acc = _decode(a_data, a_fmt) @ _decode(b_data, b_fmt)
-    return (acc * scale_a * scale_b).to(out_dtype)
-
-
-def _scaled_torch(a_data, a_fmt, b_data, b_fmt, scale_a, scale_b, out_dtype, use_fast_accum) -> torch.Tensor:
+def _scaled_torch(a_data, a_fmt, b_data, b_fmt, scale_a, scale_b, out_dtype, use_fast_accum, bias=None
+                  ) -> torch.Tensor:
     a8, b8 = a_data.view(FP8_DTYPES[a_fmt]), b_data.view(FP8_DTYPES[b_fmt])
-    return torch._scaled_mm(a8, b8, scale_a, scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    fused = bias if out_dtype != torch.float32 else None  # cuBLASLt: no bias with an fp32 output
+    out = torch._scaled_mm(a8, b8, scale_a, scale_b, bias=fused, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+    return out if fused is not None or bias is None else out.add_(bias)  # fp32 + fp32: the epilogue's one rounding
 
 
 def fp8_mm(a: Float8Tensor, b: Float8Tensor, *, out_dtype: torch.dtype, use_fast_accum: bool = False,
-           backend: str = "auto") -> torch.Tensor:
-    """``a @ b`` of two per-tensor FP8 tensors: ``a`` [M, K] row-major, ``b`` [K, N] column-major (``w.t()``).
+           backend: str = "auto", bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a @ b (+ bias)`` of two per-tensor FP8 tensors: ``a`` [M, K] row-major, ``b`` [K, N] column-major (``w.t()``).
 
     Uses each tensor's codes (``raw_buffers()["data"]``), ``scale_inv`` and ``meta()["fmt"]``
     directly: nothing is dequantized. The rules of the module docstring are checked first, on
     every backend; ``use_fast_accum`` only changes the tensor-core path (the emulation always
-    sums in fp32). Returns a plain tensor of ``out_dtype``.
+    sums in fp32). ``bias`` [N] (of ``out_dtype``) is added to the fp32 result before its one rounding,
+    in the GEMM's epilogue -- not a second kernel. Returns a plain tensor of ``out_dtype``.
     """
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, Float8Tensor):
@@ -264,18 +274,20 @@ def fp8_mm(a: Float8Tensor, b: Float8Tensor, *, out_dtype: torch.dtype, use_fast
     ab, bb = a.raw_buffers(), b.raw_buffers()
     a_fmt, b_fmt = a.meta()["fmt"], b.meta()["fmt"]
     check_fp8_gemm(ab["data"], bb["data"], a_fmt, b_fmt, out_dtype)
+    _check_bias(bias, bb["data"].shape[1], out_dtype, a.device)
     _check_tensorwise_scale("a", ab["scale_inv"], a.device)
     _check_tensorwise_scale("b", bb["scale_inv"], a.device)
     sa, sb = ab["scale_inv"].reshape(()), bb["scale_inv"].reshape(())
     return fp8_mm_codes(ab["data"], a_fmt, sa, bb["data"], b_fmt, sb, out_dtype=out_dtype,
-                        use_fast_accum=use_fast_accum, backend=backend)
+                        use_fast_accum=use_fast_accum, backend=backend, bias=bias)
 
 
 def fp8_mm_codes(a_data: torch.Tensor, a_fmt: str, a_scale_inv: torch.Tensor, b_data: torch.Tensor, b_fmt: str,
                  b_scale_inv: torch.Tensor, *, out_dtype: torch.dtype, use_fast_accum: bool = False,
-                 backend: str = "auto") -> torch.Tensor:
+                 backend: str = "auto", bias: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`fp8_mm` on raw codes that already satisfy its rules (:func:`check_fp8_gemm`), with 0-d fp32
-    scales on the codes' device: no wrapper tensors, no re-validation of the layouts (only ``out_dtype``).
+    scales on the codes' device: no wrapper tensors, no re-validation of the layouts (only ``out_dtype``;
+    ``bias``, checked by the caller like the layouts, is passed to the epilogue as is).
 
     The fast path of code that makes its operands itself and checks them once
     (:class:`~tutorial_lib.matmul.fp8_linear.Fp8Linear`); anything else should call :func:`fp8_mm`.
@@ -285,8 +297,9 @@ def fp8_mm_codes(a_data: torch.Tensor, a_fmt: str, a_scale_inv: torch.Tensor, b_
     be = resolve_backend("tensorwise", backend, a_data.device)
     GEMM_CALLS["tensorwise", be] += 1
     if be == "torch":
-        return _scaled_torch(a_data, a_fmt, b_data, b_fmt, a_scale_inv, b_scale_inv, out_dtype, use_fast_accum)
-    return _scaled_emulated(a_data, a_fmt, b_data, b_fmt, a_scale_inv, b_scale_inv, out_dtype)
+        return _scaled_torch(a_data, a_fmt, b_data, b_fmt, a_scale_inv, b_scale_inv, out_dtype, use_fast_accum,
+                             bias)
+    return scaled_emulated(a_data, a_fmt, b_data, b_fmt, a_scale_inv, b_scale_inv, out_dtype, bias)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,7 +344,7 @@ def fp8_mm_rowwise(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: torc
     GEMM_CALLS["rowwise", be] += 1
     if be == "torch":
         return _scaled_torch(a_data, a_fmt, b_data, b_fmt, a_scale_inv, b_scale_inv, out_dtype, use_fast_accum)
-    return _scaled_emulated(a_data, a_fmt, b_data, b_fmt, a_scale_inv, b_scale_inv, out_dtype)
+    return scaled_emulated(a_data, a_fmt, b_data, b_fmt, a_scale_inv, b_scale_inv, out_dtype)
 
 
 # ----------------------------------------------------------------------------- blockwise
@@ -377,19 +390,6 @@ def check_blockwise_codes(a_data: torch.Tensor, a_scale_inv: torch.Tensor, w_dat
         _fail("output dtype", f"out_dtype={out_dtype}", f"use one of {list(OUT_DTYPES)}")
 
 
-def _blockwise_emulated(a_data, a_scale, w_data, w_scale, w_rows_per_scale: int, out_dtype) -> torch.Tensor:
-    """EMULATION: per 128-wide K block, an exact-product fp32 GEMM of the codes, scaled, summed in fp32."""
-    m, k = a_data.shape
-    n = w_data.shape[0]
-    w_scale_rows = w_scale.repeat_interleave(w_rows_per_scale, dim=0) if w_rows_per_scale > 1 else w_scale  # [N, K/128]
-    acc = torch.zeros((m, n), dtype=torch.float32, device=a_data.device)
-    for kb in range(k // _BLOCK):
-        cols = slice(kb * _BLOCK, (kb + 1) * _BLOCK)
-        part = _decode(a_data[:, cols], "e4m3") @ _decode(w_data[:, cols], "e4m3").t()
-        acc += part * a_scale[:, kb : kb + 1] * w_scale_rows[:, kb].unsqueeze(0)
-    return acc.to(out_dtype)
-
-
 def _outer_major(s: torch.Tensor) -> torch.Tensor:
     """A copy of a [rows, K/128] scale tensor with strides exactly (1, rows), as cuBLASLt's 1x128 scales want
     (``.t().contiguous().t()`` keeps other strides where a dim has size 1, which torch then refuses)."""
@@ -397,7 +397,8 @@ def _outer_major(s: torch.Tensor) -> torch.Tensor:
     return out.copy_(s)
 
 
-def _blockwise_torch(a_data, a_scale, w_data, w_scale, scaling: str, out_dtype, use_fast_accum) -> torch.Tensor:
+def _blockwise_torch(a_data, a_scale, w_data, w_scale, scaling: str, out_dtype, use_fast_accum, bias=None
+                     ) -> torch.Tensor:
     """cuBLASLt blockwise through F.scaled_mm: scale layouts re-laid out as it requires (see the module docstring)."""
     st = F.ScalingType
     kb = a_scale.shape[1]
@@ -408,47 +409,54 @@ def _blockwise_torch(a_data, a_scale, w_data, w_scale, scaling: str, out_dtype, 
     else:  # 1x128 weight-like operand: [N, K/128], N-major
         scale_b, recipe_b = _outer_major(w_scale), st.BlockWise1x128
     a8, b8 = a_data.view(torch.float8_e4m3fn), w_data.view(torch.float8_e4m3fn).t()
-    return F.scaled_mm(a8, b8, scale_a, st.BlockWise1x128, scale_b, recipe_b, output_dtype=out_dtype,
-                       use_fast_accum=use_fast_accum)
+    fused = bias if out_dtype != torch.float32 else None  # cuBLASLt: no bias with an fp32 output
+    out = F.scaled_mm(a8, b8, scale_a, st.BlockWise1x128, scale_b, recipe_b, bias=fused, output_dtype=out_dtype,
+                      use_fast_accum=use_fast_accum)
+    return out if fused is not None or bias is None else out.add_(bias)
 
 
 def blockwise_mm(a: FP8Blockwise1x128Tensor, w, *, out_dtype: torch.dtype = torch.bfloat16,
-                 use_fast_accum: bool = False, backend: str = "auto") -> torch.Tensor:
+                 use_fast_accum: bool = False, backend: str = "auto", bias: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """``a @ w.T`` for FP8 blockwise operands: ``a`` [M, K] with 1x128 blocks, ``w`` [N, K] with 128x128 tiles
     (the DeepSeek-style forward) or with 1x128 blocks (both operands activation-like: the weight gradient).
 
     ``w`` is given row-major, as a weight is stored; the GEMM reads it as the column-major B [K, N]
     (no copy). Per 128-wide K block ``kb``: ``out += a_scale[:, kb] * w_scale[n_block, kb] * (A_kb @ W_kb^T)``.
     Backends: "torch" (cuBLASLt, sm_90), "triton" (``tutorial_kernels.fp8_gemm``, both pairings),
-    "emulated" (the CPU path, an emulation); "auto" picks in that order.
+    "emulated" (the CPU path, an emulation); "auto" picks in that order. ``bias`` [N] (of ``out_dtype``)
+    is added to the fp32 result before its one rounding, in the GEMM's epilogue.
     """
     _check_blockwise(a, w, out_dtype, use_fast_accum)
     ab, wb = a.raw_buffers(), w.raw_buffers()
+    _check_bias(bias, wb["data"].shape[0], out_dtype, ab["data"].device)
     return blockwise_mm_codes(ab["data"], ab["scale_inv"], wb["data"], wb["scale_inv"], w_block=w.block,
-                              out_dtype=out_dtype, use_fast_accum=use_fast_accum, backend=backend)
+                              out_dtype=out_dtype, use_fast_accum=use_fast_accum, backend=backend, bias=bias)
 
 
 def blockwise_mm_codes(a_data: torch.Tensor, a_scale_inv: torch.Tensor, w_data: torch.Tensor,
                        w_scale_inv: torch.Tensor, *, w_block: tuple[int, int], out_dtype: torch.dtype,
-                       use_fast_accum: bool = False, backend: str = "auto") -> torch.Tensor:
+                       use_fast_accum: bool = False, backend: str = "auto", bias: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """:func:`blockwise_mm` on the raw buffers of ``a`` (1x128 blocks) and ``w`` (``w_block``: (128, 128) or
-    (1, 128)) that already satisfy its rules (:func:`check_blockwise_codes`): no wrappers, no re-validation
-    (only ``out_dtype``). The fast path of :class:`~tutorial_lib.matmul.fp8_linear.Fp8Linear`."""
+    (1, 128)) that already satisfy its rules (:func:`check_blockwise_codes`; ``bias``: :func:`blockwise_mm`'s
+    rule): no wrappers, no re-validation (only ``out_dtype``). The fast path of
+    :class:`~tutorial_lib.matmul.fp8_linear.Fp8Linear`."""
     if out_dtype not in OUT_DTYPES:
         _fail("output dtype", f"out_dtype={out_dtype}", f"use one of {list(OUT_DTYPES)}")
     scaling = "1x128x128x128" if tuple(w_block) == (_BLOCK, _BLOCK) else "1x128x1x128"
     be = resolve_backend(scaling, backend, a_data.device)
     GEMM_CALLS[scaling, be] += 1
     if be == "torch":
-        return _blockwise_torch(a_data, a_scale_inv, w_data, w_scale_inv, scaling, out_dtype, use_fast_accum)
+        return _blockwise_torch(a_data, a_scale_inv, w_data, w_scale_inv, scaling, out_dtype, use_fast_accum, bias)
     rows_per_scale = _BLOCK if scaling == "1x128x128x128" else 1
     if be == "triton":
         if rows_per_scale == 1:  # wgrad: each k-block reads a vector of scales for rows AND for columns; stored
             # M-major, each vector is one contiguous read instead of one cache line per row (small copies)
             a_scale_inv, w_scale_inv = _outer_major(a_scale_inv), _outer_major(w_scale_inv)
         return fp8_gemm_kernels.blockwise_fp8_gemm(a_data, a_scale_inv, w_data, w_scale_inv, out_dtype=out_dtype,
-                                                   b_block=(rows_per_scale, _BLOCK))
-    return _blockwise_emulated(a_data, a_scale_inv, w_data, w_scale_inv, rows_per_scale, out_dtype)
+                                                   b_block=(rows_per_scale, _BLOCK), bias=bias)
+    return blockwise_emulated(a_data, a_scale_inv, w_data, w_scale_inv, rows_per_scale, out_dtype, bias)
 
 
 # ----------------------------------------------------------------------------- any other format: emulation
