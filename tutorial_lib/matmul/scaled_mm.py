@@ -95,6 +95,7 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GEMM_CALLS: collections.Counter = collections.Counter()
 """``(scaling, backend) -> calls``: scaling is "tensorwise", "rowwise", "1x128x128x128" or "1x128x1x128"."""
 
+
 class FP8LayoutError(ValueError):
     """An operand breaks a rule of the FP8 tensor-core GEMM; the message names the rule and the fix."""
 
@@ -243,7 +244,6 @@ def _check_bias(bias, n: int, out_dtype: torch.dtype, device) -> None:
     if bias.device != torch.device(device) or not bias.is_contiguous():
         _fail("bias contiguous, on the operands' device", f"bias on {bias.device}, strides {bias.stride()}",
               f"pass bias.contiguous() on {device}")
-
 
 
 # ----------------------------------------------------------------------------- the GEMMs
