@@ -4,7 +4,9 @@ An FP8 linear layer with the blockwise recipe needs each activation x and each o
 1x128 blocks twice: along the rows (fprop, dgrad) and along the columns, i.e. x.T and dy.T (wgrad
 contracts over the tokens). ``tutorial_kernels.blockwise_quant`` has three ways, timed here on the same
 bf16 tensor (bytes checked equal to the torch reference before timing), a device-to-device copy
-measured in the same run as the ceiling. Minimum traffic per element::
+measured in the same run as the ceiling. One more case quantizes a copy with half its elements zero, as
+gradients gated by an activation are: a per-element IEEE division has a slow path for zero dividends
+(``tutorial_kernels.scale_div``), which the kernel avoids. Minimum traffic per element::
 
     quantize_1x128(x)                   2 B read + 1 B codes + 4/128 B scales written   = 3.03 B
     quantize_1x128(x.t())               the same, x read in place through its strides   = 3.03 B
@@ -65,7 +67,9 @@ def run(shape, device: torch.device, compile_peers: bool) -> tuple[list[dict], f
               flush=True)
         cases.append(c)
 
-    for what, t in (("x", x), ("x.t() (strided read, wgrad's operand)", x.t())):
+    gated = x * (torch.rand(shape, generator=g, device=device) < 0.5)  # half the elements exactly zero
+    for what, t in (("x", x), ("x.t() (strided read, wgrad's operand)", x.t()),
+                    ("x with half its elements zero (a gated gradient)", gated)):
         if not _equal(k.quantize_1x128(t), _reference(t)):
             raise AssertionError(f"quantize_1x128 of {what}: bytes differ from the torch reference")
         peers = eager_and_compiled_fns(_reference, t, equal=_equal, compiled=compile_peers, record=compile_matches,

@@ -72,6 +72,7 @@ from tutorial_kernels.adam_tables import (
     set_grads,
 )
 from tutorial_kernels.fp8_round import encode_fp8, to_bf16, widen_to_fp32
+from tutorial_kernels.scale_div import div_rn_by_scale
 
 # the table's row numbers as compile-time constants (a @triton.jit function may only read constexpr globals)
 _R_NUMEL, _R_WEIGHT, _R_GRAD, _R_EXP_AVG, _R_EXP_AVG_SQ, _R_OUT, _R_SCALE_INV = (
@@ -160,7 +161,7 @@ def _block_requantize(w, o_ptr, s_ptr, offs, mask, rows, row_mask, OUT: tl.const
             s = tl.where(e == -127, 0x00400000, tl.maximum(e + 127, 1) << 23).to(tl.float32, bitcast=True)
         s = tl.where(amax_bits == 0, 1.0, s)
         s = tl.where(s == 0.0, tl.full(s.shape, 0x00400000, tl.int32).to(tl.float32, bitcast=True), s)
-        q = encode_fp8(tl.math.div_rn(w, s[:, None]), "e4m3")
+        q = encode_fp8(div_rn_by_scale(w, s[:, None]), "e4m3")
         code = tl.where(nonfinite, float("nan"), s)
     q = tl.where(nonfinite[:, None], 0x7F, q).to(tl.uint8)
     tl.store(o_ptr + offs, q, mask=mask)

@@ -23,8 +23,10 @@ column-major case gets its own coalesced loads) instead of a ``.contiguous()`` c
 
 Division: the reference divides every element by its block's scale (``xb / scale_inv``), and
 ``x * (1 / s)`` can differ from ``x / s`` by one fp32 ulp -- enough to flip an E4M3 rounding tie.
-So non-pow2 scales use ``tl.div_rn`` per element (the correctly rounded division, not Triton's
-approximate ``/``); power-of-two scales multiply by the exact reciprocal, which gives the same fp32.
+So non-pow2 scales get the correctly rounded quotient from ``tutorial_kernels.scale_div.div_rn_by_scale``
+(one reciprocal per block, then FMAs: ``tl.div_rn`` per element has a slow path for zeros and tiny
+values, which gradients are full of); power-of-two scales multiply by the exact reciprocal, which gives
+the same fp32.
 
 Rounding to E4M3 goes through ``tutorial_kernels.fp8_round.encode_fp8`` (exact in the interpreter,
 the hardware's ``cvt.rn.satfinite`` compiled).
@@ -61,6 +63,7 @@ import triton.language as tl
 from tutorial_kernels import interpreted
 from tutorial_kernels.fp8_args import SUPPORTED_DTYPES
 from tutorial_kernels.fp8_round import encode_fp8, widen_to_fp32
+from tutorial_kernels.scale_div import div_rn_by_scale
 
 __all__ = ["BLOCK_1X128", "quantize_128x128", "quantize_1x128", "quantize_1x128_with_transpose"]
 
@@ -98,7 +101,7 @@ def _quantize_blocks(x, AXIS: tl.constexpr, POW2: tl.constexpr, TRANSPOSED: tl.c
     if POW2:
         y = x * tl.div_rn(1.0, s_b)  # exact reciprocal of a power of two: same fp32 as x / s
     else:
-        y = tl.div_rn(x, s_b)  # the reference's per-element IEEE division
+        y = div_rn_by_scale(x, s_b)  # the reference's per-element IEEE division, one division per block
     q = tl.where(nonfinite_b, 0x7F, encode_fp8(y, "e4m3", TRANSPOSED)).to(tl.uint8)  # 0x7F: E4M3's NaN byte
     s_bits = tl.where(nonfinite, 0x7FC00000, s.to(tl.int32, bitcast=True))  # float("nan") as torch stores it
     return q, s_bits.to(tl.float32, bitcast=True)
@@ -144,7 +147,7 @@ def _quantize_128x128_kernel(x_ptr, data_ptr, scale_ptr, M, K, stride_m, stride_
     if POW2:
         y = x * tl.div_rn(1.0, s)
     else:
-        y = tl.div_rn(x, s)
+        y = div_rn_by_scale(x, s + tl.zeros([1, 1], tl.float32))  # the tile's scale as a [1, 1] block
     q = tl.where(nonfinite, 0x7F, encode_fp8(y, "e4m3")).to(tl.uint8)
     s_bits = tl.where(nonfinite, 0x7FC00000, s.to(tl.int32, bitcast=True))
     tl.store(data_ptr + rows[:, None] * K + cols[None, :], q)
