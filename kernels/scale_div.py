@@ -31,9 +31,10 @@ random fp32 with every scale exponent (on a GPU: every bf16 value over the scale
 references.
 
 Interpreter: Triton's interpreter rounds ``tl.fma`` once in recent releases (3.9, CI's); earlier ones
-(3.6 among them) have no single-rounding fma, so the residual is not exact. :data:`EXACT_FMA`
-probes it once at import; where it fails, the helper falls back to ``tl.div_rn`` per element (the
-interpreter's division is numpy's, correctly rounded), so the codes are the same on every backend.
+(3.6 among them) lack its exact-fma helper and may round twice, so the residual is not exact.
+:data:`EXACT_FMA` probes it once at import; where it fails, the helper falls back to ``tl.div_rn`` per
+element (the interpreter's division is numpy's, correctly rounded), so the codes are the same on every
+backend.
 
 Usage inside a kernel (``s`` broadcasts against ``x``: one scale per block)::
 

@@ -13,6 +13,9 @@ import triton
 import triton.language as tl
 from tutorial_kernels.scale_div import EXACT_FMA, div_rn_by_scale
 
+from tutorial_lib.quant.blockwise import blockwise_scale_inv
+from tutorial_lib.quant.per_tensor import quantize_per_tensor
+
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -34,16 +37,12 @@ def divide_rows(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _e4m3(q: torch.Tensor) -> torch.Tensor:
-    return q.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
-
-
 def _assert_bits_equal(x, s, got):
     """The IEEE quotient's bits wherever it can round to a non-zero E4M3 value (|q| >= 2**-11); below that the
     helper promises the E4M3 code only (+-0, the sign of x), which is checked everywhere."""
     want = x / s[:, None]
     for what, bad in (("quotients", (got.view(torch.int32) != want.view(torch.int32)) & (want.abs() >= 2.0**-11)),
-                      ("E4M3 codes", _e4m3(got) != _e4m3(want))):
+                      ("E4M3 codes", quantize_per_tensor(got, 1.0) != quantize_per_tensor(want, 1.0))):
         bad = bad.nonzero()
         if bad.numel():
             r, c = bad[0].tolist()
@@ -55,12 +54,6 @@ def _bf16_values() -> torch.Tensor:
     """Every finite bf16 value (-0.0 included) as fp32."""
     v = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
     return v[v.isfinite()]
-
-
-def _scale_of(amax: torch.Tensor) -> torch.Tensor:
-    """The blockwise scale rule for non-pow2 scales: amax / 448 rounded; an underflow to 0 becomes 2**-127."""
-    s = amax / 448.0
-    return torch.where(s == 0, torch.tensor(2.0**-127), s)
 
 
 def _rows_within(values: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -76,7 +69,8 @@ def test_every_bf16_value_over_sampled_block_scales():
     amax = vals[vals > 0]
     picks = amax[torch.linspace(0, amax.numel() - 1, 48 if DEV == "cpu" else 4096).long()]
     edges = torch.tensor([2.0**-92, 2.0**-83, 2.0**-84, 448 * 2.0**-92, 1.0, 448.0, 3.0e38])
-    s = torch.cat([_scale_of(torch.cat([picks, edges])), torch.tensor([2.0**-92]).nextafter(torch.tensor(0.0)),
+    below_switch = torch.tensor([2.0**-92]).nextafter(torch.tensor(0.0))
+    s = torch.cat([blockwise_scale_inv(torch.cat([picks, edges])), below_switch,
                    torch.tensor([2.0**-92, 2.0**-127, 2.0**-149, 1.1 * 2.0**-100])])
     x = _rows_within(vals, s)
     got = divide_rows(x.to(DEV), s.to(DEV)).cpu()
@@ -122,6 +116,6 @@ def test_every_bf16_value_over_every_bf16_amax_scale():
     vals = _bf16_values().cuda()
     amaxes = vals[vals > 0]
     for chunk in amaxes.split(512):
-        s = _scale_of(chunk)
+        s = blockwise_scale_inv(chunk)
         x = torch.where(vals.abs() <= chunk[:, None], vals, chunk[:, None])
         _assert_bits_equal(x, s, divide_rows(x, s))
