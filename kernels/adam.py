@@ -71,8 +71,8 @@ from tutorial_kernels.adam_tables import (
     raw_address,
     set_grads,
 )
+from tutorial_kernels.blockwise_quant import quantize_blocks
 from tutorial_kernels.fp8_round import encode_fp8, to_bf16, widen_to_fp32
-from tutorial_kernels.scale_div import div_rn_by_scale
 
 # the table's row numbers as compile-time constants (a @triton.jit function may only read constexpr globals)
 _R_NUMEL, _R_WEIGHT, _R_GRAD, _R_EXP_AVG, _R_EXP_AVG_SQ, _R_OUT, _R_SCALE_INV = (
@@ -138,32 +138,21 @@ def _block_requantize(w, o_ptr, s_ptr, offs, mask, rows, row_mask, OUT: tl.const
 
     MXFP8 (G = 32), as ``tutorial_lib.quant.mxfp8.quantize_mxfp8``: e = floor(log2 amax) - 8 (rceil:
     +1 when amax's mantissa exceeds 1.75), bytes of w * 2**-e, scale byte e + 127. FP8 1x128 (G =
-    128), as ``quantize_fp8_blockwise``: scale_inv = amax / 448 (pow2: rounded up to a power of
-    two; 1 for an all-zero block), bytes of w / scale_inv. A block holding NaN/inf: NaN bytes
-    (0x7F) and a NaN scale (E8M0 code 255 / fp32 NaN), as the references."""
-    amax_bits = tl.max(w.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # NaN > inf > finite
-    nonfinite = amax_bits >= 0x7F800000
+    128), as ``quantize_fp8_blockwise``: the 1x128 quantize kernels' own rule
+    (``tutorial_kernels.blockwise_quant.quantize_blocks``). A block holding NaN/inf: NaN bytes (0x7F)
+    and a NaN scale (E8M0 code 255 / fp32 NaN), as the references."""
     if OUT == "mxfp8":
+        amax_bits = tl.max(w.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)  # NaN > inf > finite
+        nonfinite = amax_bits >= 0x7F800000
         e = (amax_bits >> 23) - 127 - 8
         if RULE == "rceil":
             e += ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
         e = tl.minimum(tl.maximum(e, -127), 127)
         inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
-        q = encode_fp8(w * inv[:, None], "e4m3")
+        q = tl.where(nonfinite[:, None], 0x7F, encode_fp8(w * inv[:, None], "e4m3")).to(tl.uint8)
         code = tl.where(nonfinite, 255, e + 127).to(tl.uint8)
-    else:
-        amax = amax_bits.to(tl.float32, bitcast=True)
-        s = tl.math.div_rn(amax, 448.0)
-        if RULE == "pow2":  # 2**ceil(log2 s) from the bits, clamped to [-127, 127] (2**-127 is subnormal)
-            sb = s.to(tl.int32, bitcast=True)
-            e = ((sb >> 23) & 0xFF) - 127 + ((sb & 0x7FFFFF) != 0).to(tl.int32)
-            e = tl.minimum(tl.maximum(e, -127), 127)
-            s = tl.where(e == -127, 0x00400000, tl.maximum(e + 127, 1) << 23).to(tl.float32, bitcast=True)
-        s = tl.where(amax_bits == 0, 1.0, s)
-        s = tl.where(s == 0.0, tl.full(s.shape, 0x00400000, tl.int32).to(tl.float32, bitcast=True), s)
-        q = encode_fp8(div_rn_by_scale(w, s[:, None]), "e4m3")
-        code = tl.where(nonfinite, float("nan"), s)
-    q = tl.where(nonfinite[:, None], 0x7F, q).to(tl.uint8)
+    else:  # one copy of the 1x128 rule: the quantize kernels' (scale_inv = amax / 448, pow2 rounds it up)
+        q, code = quantize_blocks(w, 1, RULE == "pow2")
     tl.store(o_ptr + offs, q, mask=mask)
     tl.store(s_ptr + rows, code, mask=row_mask)
 

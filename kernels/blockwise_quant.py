@@ -90,7 +90,7 @@ def _scale_inv_from_amax(amax_bits, POW2: tl.constexpr):
 
 
 @triton.jit
-def _quantize_blocks(x, AXIS: tl.constexpr, POW2: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+def quantize_blocks(x, AXIS: tl.constexpr, POW2: tl.constexpr, TRANSPOSED: tl.constexpr = False):
     """E4M3 codes and fp32 scale_inv of the fp32 tile ``x`` with each line along ``AXIS`` one block: the
     1x128 rule for the tile's rows (AXIS=1) or its columns (AXIS=0). Codes come back in the tile's layout.
     ``TRANSPOSED``: the kernel stores codes through transposed addresses (``encode_fp8``'s flag)."""
@@ -118,7 +118,7 @@ def _quantize_1x128_kernel(x_ptr, data_ptr, scale_ptr, M, K, stride_m, stride_k,
     cols = pid_k.to(tl.int64) * 128 + tl.arange(0, 128)
     row_ok = rows < M
     x = tl.load(x_ptr + rows[:, None] * stride_m + cols[None, :] * stride_k, mask=row_ok[:, None], other=0.0)
-    q, s = _quantize_blocks(widen_to_fp32(x), 1, POW2)  # masked rows are zeros: scale 1, not stored
+    q, s = quantize_blocks(widen_to_fp32(x), 1, POW2)  # masked rows are zeros: scale 1, not stored
     tl.store(data_ptr + rows[:, None] * K + cols[None, :], q, mask=row_ok[:, None])
     tl.store(scale_ptr + rows * n_kb + pid_k, s, mask=row_ok)
 
@@ -161,10 +161,10 @@ def _quantize_1x128_with_transpose_kernel(x_ptr, data_ptr, scale_ptr, data_t_ptr
     n_kb = K // 128
     n_mb = M // 128
     pid_m, pid_k, rows, cols, x = _load_tile(x_ptr, K, stride_m, stride_k)
-    q, s = _quantize_blocks(x, 1, POW2, True)  # x's blocks: the tile's rows
+    q, s = quantize_blocks(x, 1, POW2, True)  # x's blocks: the tile's rows
     tl.store(data_ptr + rows[:, None] * K + cols[None, :], q)
     tl.store(scale_ptr + rows * n_kb + pid_k, s)
-    q_t, s_t = _quantize_blocks(x, 0, POW2, True)  # x.T's blocks: the tile's columns (codes still in x's layout)
+    q_t, s_t = quantize_blocks(x, 0, POW2, True)  # x.T's blocks: the tile's columns (codes still in x's layout)
     # stored through transposed addresses: Triton's coalescing pass regroups the BYTES through shared memory
     # (a quarter of what transposing the fp32 tile before the math would move) so the stores stay coalesced
     tl.store(data_t_ptr + cols[None, :] * M + rows[:, None], q_t)
