@@ -112,7 +112,8 @@ def main(argv=None) -> None:
              "hidden": r.hidden, "blocks": r.n_blocks, "tokens_per_rank": r.tokens, "reps": r.reps,
              "profile_steps": prof, "zero_grad": "set_to_none=True", "skipped": r.skipped, "goals": goals,
              "peers_detail": {peer_name(v): {"optimizer": v.optimizer, "tflops": v.tflops,
-                                                   "phases_ms": {p: getattr(v.phases, p) for p in PHASES}}
+                                                   "phases_ms": {p: getattr(v.phases, p) for p in PHASES},
+                                                   "peak_memory_bytes": v.peak_memory_bytes}
                               for v in r.variants if v.name in PEER_NAMES}}
     path = write_results(out, "fp8_fsdp2_step", cases, copy, extra=extra)
     src = bf16.phases.time_source
