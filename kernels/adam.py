@@ -151,7 +151,7 @@ def _block_requantize(w, o_ptr, s_ptr, offs, mask, rows, row_mask, OUT: tl.const
         inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
         q = tl.where(nonfinite[:, None], 0x7F, encode_fp8(w * inv[:, None], "e4m3")).to(tl.uint8)
         code = tl.where(nonfinite, 255, e + 127).to(tl.uint8)
-    else:  # one copy of the 1x128 rule: the quantize kernels' (scale_inv = amax / 448, pow2 rounds it up)
+    else:  # FP8 1x128
         q, code = quantize_blocks(w, 1, RULE == "pow2")
     tl.store(o_ptr + offs, q, mask=mask)
     tl.store(s_ptr + rows, code, mask=row_mask)
