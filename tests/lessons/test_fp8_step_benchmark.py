@@ -13,6 +13,7 @@ import dataclasses
 import pickle
 
 import pytest
+import torch
 
 from tutorial_lib.dist.launcher import RankFailed, launch, run_sequence
 from tutorial_lib.lessons import fp8_step_benchmark as lesson
@@ -38,23 +39,37 @@ def test_results_pickle_and_name_their_variants():
         r.variant("hybrid")
 
 
+def test_pow2_variants_scale_weights_and_layers_by_powers_of_two():
+    """The *_pow2 variants: the layers' recipe AND the weights' quantizers use power-of-two scales (TE's
+    Float8BlockScaling does both); the other variants neither."""
+    for name, layer in lesson.FP8_VARIANTS.items():
+        q = lesson._weight_recipe(layer)("blocks.0.fc1.weight", torch.nn.Parameter(torch.ones(256, 256)))
+        pow2 = q.pow2 if layer.kind == "hybrid" else q.pow2_scales
+        assert pow2 is layer.pow2_scales is name.endswith("_pow2"), (name, q)
+        assert layer.kind == "hybrid" or q.block == (128, 128), (name, q)
+
+
 @pytest.mark.distributed
 def test_every_variant_is_the_same_model_and_profiles_its_phases():
     calls = [(lesson.fsdp2_step_benchmark, dict(dim=DIM, hidden=HIDDEN, n_blocks=BLOCKS, tokens=TOKENS, reps=1,
                                                 profile_steps=1, variants=("bf16", "hybrid", "blockwise",
-                                                                           "blockwise_triton"))),
+                                                                           "blockwise_triton", "hybrid_pow2",
+                                                                           "blockwise_pow2"))),
              (lesson.fsdp2_step_benchmark, dict(dim=DIM, hidden=HIDDEN, n_blocks=BLOCKS, tokens=TOKENS, reps=1,
                                                 profile_steps=1, variants=("bf16", "hybrid", "blockwise"), lr=0.0))]
     ranks = launch(run_sequence, world_size=2, device="cpu", args=(calls,), timeout=600, echo=False)
     params = BLOCKS * (2 * DIM + HIDDEN * DIM + HIDDEN + DIM * HIDDEN + DIM) + 2 * DIM  # norm, fc1, fc2; norm_out
-    names = {0: ["bf16", "hybrid", "blockwise", "blockwise_triton"], 1: ["bf16", "hybrid", "blockwise"]}
+    names = {0: ["bf16", "hybrid", "blockwise", "blockwise_triton", "hybrid_pow2", "blockwise_pow2"],
+             1: ["bf16", "hybrid", "blockwise"]}
     for trained, frozen in ranks:
         for i, r in enumerate((trained, frozen)):
             assert isinstance(r, lesson.Fsdp2StepBenchmarkResult) and r.world_size == 2
             assert (r.dim, r.hidden, r.n_blocks, r.tokens) == (DIM, HIDDEN, BLOCKS, TOKENS)
             assert [v.name for v in r.variants] == names[i] and r.skipped == {}
-        assert [v.weight_format for v in trained.variants] == ["bf16", "fp8", "fp8_128x128", "fp8_128x128"]
+        assert [v.weight_format for v in trained.variants] == ["bf16", "fp8", "fp8_128x128", "fp8_128x128", "fp8",
+                                                               "fp8_128x128"]
         assert "Triton kernel" in trained.variant("blockwise_triton").label
+        assert [v.name for v in trained.variants if "power-of-two" in v.label] == ["hybrid_pow2", "blockwise_pow2"]
         for v in trained.variants:
             assert v.params == params, (v.name, v.params)
             assert v.step_ms > 0 and v.tflops == pytest.approx(6 * params * TOKENS * 2 / (v.step_ms * 1e-3) / 1e12)

@@ -12,6 +12,10 @@ each -- forward, backward, optimizer step (eager, no ``torch.compile``)::
                                                                     1x128 x 1x128, torch's)
     blockwise_triton   the same                                     the same, all three GEMMs   FusedAdam, fp32 masters
                                                                     on the Triton kernel
+    hybrid_pow2        hybrid and blockwise with power-of-two scales everywhere (weights, x, dy):
+    blockwise_pow2     ``Fp8Recipe(pow2_scales=True)``, weights ``recipe(fmt, pow2=True)`` / ``pow2_scales=True``.
+                       The blockwise one is the default of TE's ``Float8BlockScaling``; hybrid's casts take
+                       the one-pass speculative path (the layer's last scale as the guess)
     torchao_tensorwise             torchao.float8, tensorwise (a peer, only where ``import torchao`` works): the
     torchao_tensorwise_fp8_gather  bf16 model converted by convert_to_float8_training before fully_shard (built
                                    whole on the device: meta init would replace torchao's weight wrapper), bf16
@@ -77,12 +81,14 @@ __all__ = ["FP8_VARIANTS", "OPTIMIZER_RANGE", "STEP_VARIANTS", "Fsdp2StepBenchma
            "TrainStepPhases", "fsdp2_step_benchmark"]
 
 FP8_VARIANTS = {"hybrid": Fp8Recipe("hybrid"), "blockwise": Fp8Recipe("blockwise"),
-                "blockwise_triton": Fp8Recipe("blockwise", backend="triton")}
+                "blockwise_triton": Fp8Recipe("blockwise", backend="triton"),
+                "hybrid_pow2": Fp8Recipe("hybrid", pow2_scales=True),
+                "blockwise_pow2": Fp8Recipe("blockwise", pow2_scales=True)}
 """Our FP8 variants -> the ``Fp8Linear`` recipe of their layers (weights: ``WEIGHT_FORMATS[recipe.kind]``)."""
 
 STEP_VARIANTS = ("bf16", *FP8_VARIANTS, "torchao_tensorwise", "torchao_tensorwise_fp8_gather")
 """Variants of :func:`fsdp2_step_benchmark`: the bf16 reference, our FP8 recipes (blockwise twice: torch's wgrad
-GEMM or the Triton kernel's), torchao's float8 (peer)."""
+GEMM or the Triton kernel's; both again with power-of-two scales), torchao's float8 (peer)."""
 
 TORCHAO_VARIANTS = {"torchao_tensorwise": False, "torchao_tensorwise_fp8_gather": True}  # -> FP8 all-gather?
 
@@ -191,6 +197,14 @@ def _profile_phases(step, dev, steps: int) -> TrainStepPhases:
     return TrainStepPhases(time_source="cuda" if dev.type == "cuda" else "cpu", **per_step)
 
 
+def _weight_recipe(layer: Fp8Recipe):
+    """The registry recipe of a variant's weights: its layer's format, with power-of-two scales if the layer's."""
+    fmt = WEIGHT_FORMATS[layer.kind]
+    if not layer.pow2_scales:
+        return make_recipe(fmt)
+    return make_recipe(fmt, **({"pow2": True} if layer.kind == "hybrid" else {"pow2_scales": True}))
+
+
 def _build(name: str, dim: int, hidden: int, n_blocks: int, mesh, dev, lr: float, ao):
     """``(model, optimizer, after_step, weight_format, optimizer label, label)`` of one variant."""
     bf16 = lambda fp8=None: BlockMLP(dim, hidden, n_blocks, dtype=torch.bfloat16, fp8=fp8)  # noqa: E731
@@ -200,10 +214,11 @@ def _build(name: str, dim: int, hidden: int, n_blocks: int, mesh, dev, lr: float
     elif name in FP8_VARIANTS:
         layer = FP8_VARIANTS[name]
         fmt = WEIGHT_FORMATS[layer.kind]
-        model = qi.build_sharded_quantized(lambda: bf16(layer), mesh, make_recipe(fmt), dev,
+        model = qi.build_sharded_quantized(lambda: bf16(layer), mesh, _weight_recipe(layer), dev,
                                            preserve_high_precision=True)
         label = f"{fmt} weights (FP8 all-gather), Fp8Linear {layer.kind!r} GEMMs" + (
-            " on the Triton kernel" if layer.backend == "triton" else "")
+            " on the Triton kernel" if layer.backend == "triton" else "") + (
+            ", power-of-two scales" if layer.pow2_scales else "")
     else:  # torchao: convert the bf16 model, built whole on the device, before fully_shard
         gather = TORCHAO_VARIANTS[name]
         config = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=gather, emulate=dev.type != "cuda")
