@@ -88,7 +88,7 @@ FP8_VARIANTS = {"hybrid": Fp8Recipe("hybrid"), "blockwise": Fp8Recipe("blockwise
 
 STEP_VARIANTS = ("bf16", *FP8_VARIANTS, "torchao_tensorwise", "torchao_tensorwise_fp8_gather")
 """Variants of :func:`fsdp2_step_benchmark`: the bf16 reference, our FP8 recipes (blockwise twice: torch's wgrad
-GEMM or the Triton kernel's; both again with power-of-two scales), torchao's float8 (peer)."""
+GEMM or the Triton kernel's), hybrid and blockwise again with power-of-two scales, torchao's float8 (peer)."""
 
 TORCHAO_VARIANTS = {"torchao_tensorwise": False, "torchao_tensorwise_fp8_gather": True}  # -> FP8 all-gather?
 
