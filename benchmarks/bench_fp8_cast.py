@@ -59,7 +59,7 @@ def run(n: int, device: torch.device, compile_peers: bool, configs, fmt: str = "
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(n, generator=g, device=device, dtype=torch.float32).to(torch.bfloat16)
     x[n // 3] = 37.0  # a fixed amax
-    truth = ref.cast_current_scaling(x, fmt, pow2=True)
+    truth = ref.cast_current_scaling(x, fmt, pow2_scales=True)
     delayed_scale = truth.scale * 0.75  # any scale: delayed scaling uses last step's
 
     def peers_of(fn, *args, **kwargs):
@@ -93,10 +93,11 @@ def run(n: int, device: torch.device, compile_peers: bool, configs, fmt: str = "
         peers_of(ref.cast_delayed_scaling, x, delayed_scale, fmt), 3 * n)
 
     # 2. current scaling with power-of-two scales, speculative with the right guess (steady state)
-    check(k.cast_current_scaling(x, fmt, pow2=True, scale_guess=truth.scale), truth, "speculative")
-    cur_pow2_peers = peers_of(ref.cast_current_scaling, x, fmt, pow2=True)
+    check(k.cast_current_scaling(x, fmt, pow2_scales=True, scale_guess=truth.scale), truth, "speculative")
+    cur_pow2_peers = peers_of(ref.cast_current_scaling, x, fmt, pow2_scales=True)
     add("current scaling pow2, speculative, guess right (3 B/elem)",
-        lambda **c: k.cast_current_scaling(x, fmt, pow2=True, scale_guess=truth.scale, **c), cur_pow2_peers, 3 * n)
+        lambda **c: k.cast_current_scaling(x, fmt, pow2_scales=True, scale_guess=truth.scale, **c),
+        cur_pow2_peers, 3 * n)
 
     # 3. current scaling, exact two-pass (any scale)
     check(k.cast_current_scaling(x, fmt), ref.cast_current_scaling(x, fmt), "two-pass")
@@ -105,9 +106,9 @@ def run(n: int, device: torch.device, compile_peers: bool, configs, fmt: str = "
 
     # 4. speculative with a wrong guess: the worst case re-reads and rewrites
     wrong = truth.scale * 2
-    check(k.cast_current_scaling(x, fmt, pow2=True, scale_guess=wrong), truth, "speculative, wrong guess")
+    check(k.cast_current_scaling(x, fmt, pow2_scales=True, scale_guess=wrong), truth, "speculative, wrong guess")
     add("current scaling pow2, speculative, guess wrong (6 B/elem)",
-        lambda **c: k.cast_current_scaling(x, fmt, pow2=True, scale_guess=wrong, **c), cur_pow2_peers, 6 * n)
+        lambda **c: k.cast_current_scaling(x, fmt, pow2_scales=True, scale_guess=wrong, **c), cur_pow2_peers, 6 * n)
 
     # 5. dequantize back to bf16
     q = truth.data

@@ -7,7 +7,7 @@ takes two multi-tensor launches around one collective, whatever the number of pa
 
     launch 1  Adam (OUT="fp8_current")   masters updated, amax[t] = max|new master t|   atomic max
     host      all_reduce(amax, MAX)      one collective for the whole bucket (if a group is set)
-    launch 2  this kernel                scale[t] = fmt.max / max(amax[t], eps)  (pow2: rounded down)
+    launch 2  this kernel                scale[t] = fmt.max / max(amax[t], eps)  (pow2_scales: rounded down)
                                          bytes[t] = saturating RNE cast of master[t] * scale[t]
                                          scale_inv[t] = 1 / scale[t]
 
@@ -17,7 +17,7 @@ and collectives a step, each costing host time. Launch 2 reads 4 bytes and write
 masters, ``out`` row = the FP8 bytes, ``scale_inv`` row, and the grad row, so tensors that got no
 gradient this step (grad address 0) keep their bytes and scale, as the Adam kernel keeps their
 master. Scale and bytes follow ``tutorial_kernels.fp8_cast`` (the same ``scale_from_amax`` and
-``encode_fp8``), so they equal ``CurrentScaling(fmt, pow2, amax_eps).quantize(master)`` with that
+``encode_fp8``), so they equal ``CurrentScaling(fmt, pow2_scales, amax_eps).quantize(master)`` with that
 amax, byte for byte (``tests/kernels/test_adam_current_scaling.py``); an empty tensor (a rank's
 empty FSDP2 shard) still gets the shared scale_inv, from its one chunk.
 
@@ -27,7 +27,7 @@ Example::
     from tutorial_kernels.adam_current_scaling import launch_current_scaling_cast
     launch_adamw(tables, hyper, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)  # out "fp8_current"
     torch.distributed.all_reduce(tables.amax_bits, op=torch.distributed.ReduceOp.MAX)   # optional
-    launch_current_scaling_cast(tables, amax_eps=1e-12, pow2=False)
+    launch_current_scaling_cast(tables, amax_eps=1e-12, pow2_scales=False)
 """
 
 from __future__ import annotations
@@ -73,13 +73,13 @@ def _current_scaling_cast_kernel(chunks_ptr, C, table_ptr, T, amax_ptr, amax_eps
         # else: an empty tensor's only chunk, there just to store scale_inv
 
 
-def launch_current_scaling_cast(tables: AdamTables, *, amax_eps: float = 1e-12, pow2: bool = False,
+def launch_current_scaling_cast(tables: AdamTables, *, amax_eps: float = 1e-12, pow2_scales: bool = False,
                                 num_warps: int = 4) -> None:
     """Write every updated tensor's FP8 bytes and scale_inv from its master and ``tables.amax``: ONE launch.
 
     ``tables`` are ``"fp8_current"`` tables after :func:`tutorial_kernels.adam.launch_adamw` (which
     left max|new master| per tensor in ``tables.amax``, possibly all-reduced since). ``amax_eps``
-    and ``pow2`` are the quantizer's (``CurrentScaling``): one value for the whole bucket.
+    and ``pow2_scales`` are the quantizer's (``CurrentScaling``): one value for the whole bucket.
     """
     if tables.out != "fp8_current":
         raise ValueError(f"launch_current_scaling_cast needs 'fp8_current' tables, got out={tables.out!r}")
@@ -90,6 +90,6 @@ def launch_current_scaling_cast(tables: AdamTables, *, amax_eps: float = 1e-12, 
         return
     _current_scaling_cast_kernel[(tables.n_chunks,)](
         tables.chunks, tables.n_chunks, tables.table, tables.n_tensors, tables.amax, float(amax_eps),
-        FMT=tables.fp8_format, POW2=bool(pow2), BLOCK=tables.block, ALIGNED=tables.static_aligned,
+        FMT=tables.fp8_format, POW2=bool(pow2_scales), BLOCK=tables.block, ALIGNED=tables.static_aligned,
         num_warps=num_warps)
 

@@ -17,7 +17,7 @@ The data-movement problem (N elements of bf16 in, FP8 out; the floor is 3 bytes/
   = 5 B/element: at best 3/5 = 60% of the       = 3 B/element: can run at copy speed
     3 B/element bound, whatever the kernel
 
-  current scaling, speculative one pass (``scale_guess=``; exact, best with ``pow2``)
+  current scaling, speculative one pass (``scale_guess=``; exact, best with ``pow2_scales``)
   ---------------------------------------------------------------------------------
   _cast_scaled_kernel with the guessed scale (2 B + 1 B) and amax, then
   _recast_kernel: computes the true scale from the amax; if it equals the guess every
@@ -281,7 +281,7 @@ def amax(x: torch.Tensor, *, block: int | None = None, num_warps: int | None = N
     return bits.view(torch.float32)
 
 
-def cast_current_scaling(x: torch.Tensor, fmt: str = "e4m3", *, pow2: bool = False, amax_eps: float = 1e-12,
+def cast_current_scaling(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool = False, amax_eps: float = 1e-12,
                          reduce_amax=None, scale_guess: torch.Tensor | None = None, out: torch.Tensor | None = None,
                          block: int | None = None, num_warps: int | None = None) -> CastResult:
     """Current scaling, bytes identical to ``tutorial_lib.quant.per_tensor.cast_current_scaling``.
@@ -304,14 +304,14 @@ def cast_current_scaling(x: torch.Tensor, fmt: str = "e4m3", *, pow2: bool = Fal
     if n == 0:  # one program with nothing to load: it only writes the scale of amax = 0 (or the reduced amax)
         if reduce_amax is not None:
             reduce_amax(a)
-        _cast_kernel[(1,)](x, data, a, scale, scale_inv, n, amax_eps, FMT=fmt, POW2=pow2, BLOCK=block,
+        _cast_kernel[(1,)](x, data, a, scale, scale_inv, n, amax_eps, FMT=fmt, POW2=pow2_scales, BLOCK=block,
                            num_warps=num_warps)
         return CastResult(data, scale, scale_inv, a)
     if scale_guess is None:
         _amax_kernel[grid](x, bits, n, BLOCK=block, num_warps=num_warps)
         if reduce_amax is not None:
             reduce_amax(a)
-        _cast_kernel[grid](x, data, a, scale, scale_inv, n, amax_eps, FMT=fmt, POW2=pow2, BLOCK=block,
+        _cast_kernel[grid](x, data, a, scale, scale_inv, n, amax_eps, FMT=fmt, POW2=pow2_scales, BLOCK=block,
                            num_warps=num_warps)
     else:
         guess = check_scale_arg(scale_guess, dev).contiguous()
@@ -320,7 +320,7 @@ def cast_current_scaling(x: torch.Tensor, fmt: str = "e4m3", *, pow2: bool = Fal
         if reduce_amax is not None:
             reduce_amax(a)
         _recast_kernel[(min(grid[0], _persistent_programs(dev)),)](
-            x, data, a, guess, scale, scale_inv, n, amax_eps, FMT=fmt, POW2=pow2, BLOCK=block,
+            x, data, a, guess, scale, scale_inv, n, amax_eps, FMT=fmt, POW2=pow2_scales, BLOCK=block,
             num_warps=num_warps)
     return CastResult(data, scale, scale_inv, a)
 
@@ -336,7 +336,7 @@ def _tile_config() -> tuple[int, int]:
     return (128, 4) if interpreted() else (64, 4)
 
 
-def cast_current_scaling_with_transpose(x: torch.Tensor, fmt: str = "e4m3", *, pow2: bool = False,
+def cast_current_scaling_with_transpose(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool = False,
                                         amax_eps: float = 1e-12, reduce_amax=None,
                                         scale_guess: torch.Tensor | None = None, fused: bool = False,
                                         tile: int | None = None) -> tuple[CastResult, torch.Tensor]:
@@ -352,14 +352,14 @@ def cast_current_scaling_with_transpose(x: torch.Tensor, fmt: str = "e4m3", *, p
         raise ValueError(f"cast_current_scaling_with_transpose takes a 2-D [rows, features] tensor, got shape "
                          f"{tuple(x.shape)}; flatten the leading dims first")
     if not fused:
-        res = cast_current_scaling(x, fmt, pow2=pow2, amax_eps=amax_eps, reduce_amax=reduce_amax,
+        res = cast_current_scaling(x, fmt, pow2_scales=pow2_scales, amax_eps=amax_eps, reduce_amax=reduce_amax,
                                    scale_guess=scale_guess)
         return res, transpose(res.data)
     m, k = x.shape
     dev = x.device
     data_t = torch.empty((k, m), dtype=torch.uint8, device=dev)
     if x.numel() == 0:  # nothing to transpose: the scale of amax = 0 (or the reduced amax) from the 1-D path
-        return cast_current_scaling(x, fmt, pow2=pow2, amax_eps=amax_eps, reduce_amax=reduce_amax), data_t
+        return cast_current_scaling(x, fmt, pow2_scales=pow2_scales, amax_eps=amax_eps, reduce_amax=reduce_amax), data_t
     data = torch.empty((m, k), dtype=torch.uint8, device=dev)
     bits = torch.zeros((), dtype=torch.int32, device=dev)
     a = bits.view(torch.float32)
@@ -375,7 +375,7 @@ def cast_current_scaling_with_transpose(x: torch.Tensor, fmt: str = "e4m3", *, p
         _amax_kernel[(triton.cdiv(x.numel(), block),)](x, bits, x.numel(), BLOCK=block, num_warps=num_warps)
         if reduce_amax is not None:
             reduce_amax(a)
-        _cast_transpose_kernel[grid](x, data, data_t, a, scale, scale_inv, m, k, amax_eps, FMT=fmt, POW2=pow2,
+        _cast_transpose_kernel[grid](x, data, data_t, a, scale, scale_inv, m, k, amax_eps, FMT=fmt, POW2=pow2_scales,
                                      BM=side, BK=side, num_warps=warps)
     else:
         guess = check_scale_arg(scale_guess, dev).contiguous()
@@ -384,7 +384,7 @@ def cast_current_scaling_with_transpose(x: torch.Tensor, fmt: str = "e4m3", *, p
         if reduce_amax is not None:
             reduce_amax(a)
         _recast_transpose_kernel[(min(grid[0], _persistent_programs(dev)),)](
-            x, data, data_t, a, guess, scale, scale_inv, m, k, amax_eps, FMT=fmt, POW2=pow2, BM=side, BK=side,
+            x, data, data_t, a, guess, scale, scale_inv, m, k, amax_eps, FMT=fmt, POW2=pow2_scales, BM=side, BK=side,
             num_warps=warps)
     return CastResult(data, scale, scale_inv, a), data_t
 

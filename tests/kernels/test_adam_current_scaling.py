@@ -44,12 +44,12 @@ def test_cast_equals_the_reference_for_given_amaxes_and_skips_tensors_without_gr
     # amaxes as an all-reduce may leave them: >= the local one, 0 (an all-zero tensor), NaN, inf, < amax_eps
     given = torch.tensor([float(amax(masters[0])) * 3.0, 0.0, 1e-13, 1.0, float("nan")])
     tables.amax.copy_(given.to(DEV))
-    launch_current_scaling_cast(tables, amax_eps=1e-12, pow2=pow2)
+    launch_current_scaling_cast(tables, amax_eps=1e-12, pow2_scales=pow2)
     for i, m in enumerate(masters):
         if grads[i] == 0:
             assert torch.all(data[i] == 0x11) and float(invs[i]) == 3.0, "a tensor without grad was touched"
             continue
-        ref = cast_current_scaling(m, fmt, pow2=pow2, amax_eps=1e-12,
+        ref = cast_current_scaling(m, fmt, pow2_scales=pow2, amax_eps=1e-12,
                                    reduce_amax=lambda a, v=given[i]: a.copy_(v))
         assert torch.equal(data[i], ref.data), (i, fmt, pow2)
         assert torch.equal(invs[i].reshape(()).view(torch.int32), ref.scale_inv.reshape(()).view(torch.int32)) \

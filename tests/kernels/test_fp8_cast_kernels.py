@@ -66,8 +66,8 @@ def _assert_same_result(ours: ref.CastResult, theirs: ref.CastResult) -> None:
 def test_current_scaling_matches_reference(fmt, dtype, pow2):
     for n, seed in ((5 * BLOCK + 37, 0), (4 * BLOCK, 1)):  # with a ragged last block, and without
         x = _awkward(n, dtype, seed)
-        _assert_same_result(k.cast_current_scaling(x, fmt, pow2=pow2, block=BLOCK),
-                            ref.cast_current_scaling(x, fmt, pow2=pow2))
+        _assert_same_result(k.cast_current_scaling(x, fmt, pow2_scales=pow2, block=BLOCK),
+                            ref.cast_current_scaling(x, fmt, pow2_scales=pow2))
 
 
 def test_scale_is_correctly_rounded_for_many_amaxes():
@@ -129,23 +129,23 @@ def test_amax_kernel():
 @pytest.mark.parametrize("fmt", FP8)
 def test_speculative_cast_is_exact_whether_the_guess_is_right_or_not(fmt):
     x = _awkward(5 * BLOCK + 1, torch.bfloat16, 6)
-    expect = ref.cast_current_scaling(x, fmt, pow2=True)
+    expect = ref.cast_current_scaling(x, fmt, pow2_scales=True)
     for guess in (expect.scale, expect.scale * 2, torch.tensor(1.0, device=DEV)):
         out = torch.full(x.shape, 0xAA, dtype=torch.uint8, device=DEV)  # garbage must be overwritten
-        got = k.cast_current_scaling(x, fmt, pow2=True, scale_guess=guess, out=out, block=BLOCK)
+        got = k.cast_current_scaling(x, fmt, pow2_scales=True, scale_guess=guess, out=out, block=BLOCK)
         assert got.data is out
         _assert_same_result(got, expect)
     x[3] = float("nan")  # NaN scale != any guess: recast, everything NaN
-    got = k.cast_current_scaling(x, fmt, pow2=True, scale_guess=expect.scale, block=BLOCK)
+    got = k.cast_current_scaling(x, fmt, pow2_scales=True, scale_guess=expect.scale, block=BLOCK)
     assert got.scale.isnan() and bool((_nan_canonical(got.data, fmt) == 0x7F).all())
 
 
 def test_reduce_amax_hook_runs_between_the_passes():
     x = _awkward(3 * BLOCK, torch.float32, 7)
     for guess in (None, torch.tensor(1.0, device=DEV)):
-        got = k.cast_current_scaling(x, "e4m3", pow2=True, scale_guess=guess, block=BLOCK,
+        got = k.cast_current_scaling(x, "e4m3", pow2_scales=True, scale_guess=guess, block=BLOCK,
                                      reduce_amax=lambda a: a.mul_(4))  # pretend another rank saw 4x
-        expect = ref.cast_current_scaling(x, "e4m3", pow2=True, reduce_amax=lambda a: a.mul_(4))
+        expect = ref.cast_current_scaling(x, "e4m3", pow2_scales=True, reduce_amax=lambda a: a.mul_(4))
         _assert_same_result(got, expect)
 
 
@@ -163,16 +163,16 @@ def test_cast_with_transpose_is_the_cast_and_its_transposed_codes(fmt, dtype, sh
     H200: kernels/fp8_round.py's docstring.)"""
     x = _awkward(shape[0] * shape[1], dtype, 11).reshape(shape)
     for pow2 in (False, True):
-        expect = ref.cast_current_scaling(x, fmt, pow2=pow2)
+        expect = ref.cast_current_scaling(x, fmt, pow2_scales=pow2)
         for fused, tile in ((True, 32), (True, None), (False, None)):
             for guess in (None, expect.scale, expect.scale * 2, expect.scale / 2):
-                got, data_t = k.cast_current_scaling_with_transpose(x, fmt, pow2=pow2, scale_guess=guess,
+                got, data_t = k.cast_current_scaling_with_transpose(x, fmt, pow2_scales=pow2, scale_guess=guess,
                                                                     fused=fused, tile=tile)
                 _assert_same_result(got, expect)
                 assert data_t.is_contiguous() and torch.equal(data_t, expect.data.t())
-        got, data_t = k.cast_current_scaling_with_transpose(x, fmt, pow2=pow2, reduce_amax=lambda a: a.mul_(4),
+        got, data_t = k.cast_current_scaling_with_transpose(x, fmt, pow2_scales=pow2, reduce_amax=lambda a: a.mul_(4),
                                                             fused=True, tile=32)
-        expect = ref.cast_current_scaling(x, fmt, pow2=pow2, reduce_amax=lambda a: a.mul_(4))
+        expect = ref.cast_current_scaling(x, fmt, pow2_scales=pow2, reduce_amax=lambda a: a.mul_(4))
         _assert_same_result(got, expect)
         assert torch.equal(data_t, expect.data.t())
     ref_res, ref_t = ref.cast_current_scaling_with_transpose(x, fmt)  # the torch twin: the same pair
@@ -327,7 +327,7 @@ def test_bad_input_errors():
 def test_quantizers_give_identical_bytes_on_both_backends():
     xs = [_awkward(2 * BLOCK + 9, torch.bfloat16, s) * (10.0 if s == 12 else 1.0) for s in range(10, 14)]
     for pow2 in (False, True):
-        a, b = CurrentScaling(pow2=pow2, backend="triton"), CurrentScaling(pow2=pow2, backend="torch")
+        a, b = CurrentScaling(pow2_scales=pow2, backend="triton"), CurrentScaling(pow2_scales=pow2, backend="torch")
         qa, qb = a.quantize(xs[0]), b.quantize(xs[0])
         for x in xs[1:]:  # in-place requantize (the speculative path when pow2)
             a.quantize_into(qa, x)

@@ -44,8 +44,7 @@ def test_pow2_variants_scale_weights_and_layers_by_powers_of_two():
     Float8BlockScaling does both); the other variants neither."""
     for name, layer in lesson.FP8_VARIANTS.items():
         q = lesson._weight_recipe(layer)("blocks.0.fc1.weight", torch.nn.Parameter(torch.ones(256, 256)))
-        pow2 = q.pow2 if layer.kind == "hybrid" else q.pow2_scales
-        assert pow2 is layer.pow2_scales is name.endswith("_pow2"), (name, q)
+        assert q.pow2_scales is layer.pow2_scales is name.endswith("_pow2"), (name, q)
         assert layer.kind == "hybrid" or q.block == (128, 128), (name, q)
 
 

@@ -197,7 +197,7 @@ def test_hybrid_casts_write_the_transposed_codes_wgrad_reads(save, pow2, device,
             return super().cast_with_transpose(t, **kw)
 
     def run(backend):
-        monkeypatch.setattr(fl, "_CASTS", {key: Spy(key[0], pow2=key[1], backend=backend) for key in fl._CASTS})
+        monkeypatch.setattr(fl, "_CASTS", {key: Spy(key[0], pow2_scales=key[1], backend=backend) for key in fl._CASTS})
         guess = fl.ScaleGuess()
         inputs = [_layer(recipe, device, torch.bfloat16, seed=s) for s in (0, 1)]
         inputs[1][2].data *= 4  # the second call's amax is 4x the first's: its guessed scale is wrong

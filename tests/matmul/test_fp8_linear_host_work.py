@@ -87,7 +87,7 @@ def test_under_a_profiler_every_phase_has_its_range_and_the_bytes_do_not_change(
 
 def _expected_hybrid(layer, x, g, pow2):
     """The layer's three GEMMs through the public, fully checked ``fp8_mm`` on Float8Tensor operands."""
-    e4, e5 = CurrentScaling("e4m3", pow2=pow2), CurrentScaling("e5m2", pow2=pow2)
+    e4, e5 = CurrentScaling("e4m3", pow2_scales=pow2), CurrentScaling("e5m2", pow2_scales=pow2)
     x8, w8, g8 = e4.quantize(x.detach()), e4.quantize(layer.weight.detach()), e5.quantize(g)
     y = fp8_mm(x8, w8.t(), out_dtype=x.dtype, bias=layer.bias.detach())  # the bias in the epilogue
     dx = fp8_mm(g8, w8.t().contiguous().t(), out_dtype=x.dtype)  # B = W [N, K] column-major: a transposed copy

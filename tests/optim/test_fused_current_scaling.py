@@ -35,7 +35,7 @@ def _bits(buf: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt,pow2", [("e4m3", False), ("e5m2", True)])
 def test_fused_equals_copy_route_with_skipped_empty_and_nan(fmt, pow2):
-    factory = lambda: CurrentScaling(fmt, pow2=pow2)  # noqa: E731
+    factory = lambda: CurrentScaling(fmt, pow2_scales=pow2)  # noqa: E731
     fused_p, ref_p = _params(factory, 0), _params(factory, 0)
     before = [{k: v.clone() for k, v in p.raw_buffers().items()} for p in fused_p]
     fused, ref = FusedAdam(fused_p, **HP), FusedAdam(ref_p, **HP, fuse_requantize=False)
@@ -100,7 +100,7 @@ def test_which_tensors_are_fused():
         pass
 
     x = torch.randn(8, 16).to(DEV)
-    assert fused_current_scaling(CurrentScaling("e5m2", pow2=True).quantize(x)) == ("e5m2", True, 1e-12, None)
+    assert fused_current_scaling(CurrentScaling("e5m2", pow2_scales=True).quantize(x)) == ("e5m2", True, 1e-12, None)
     assert fused_current_scaling(MyScaling().quantize(x)) is None  # a subclass may change the rule
     assert fused_current_scaling(DelayedScaling().quantize(x)) is None  # delayed: the fp8_fused route
     assert fused_current_scaling(x) is None

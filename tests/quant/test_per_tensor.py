@@ -62,12 +62,12 @@ def test_scale_from_amax_rules(fmt):
     a = torch.tensor(3.0)
     assert scale_from_amax(a, fmt).item() == torch.tensor(fmax / 3.0, dtype=torch.float32).item()
     assert scale_from_amax(a, fmt, margin=2).item() == scale_from_amax(a, fmt).item() / 4
-    p = scale_from_amax(a, fmt, pow2=True)
+    p = scale_from_amax(a, fmt, pow2_scales=True)
     assert p.item() == 2.0 ** torch.floor(torch.log2(torch.tensor(fmax / 3.0))).item()  # rounded *down*
     # amax * scale never exceeds max, also right below a power of two where log2 would round up
     for amax_value in (3.0, 2.0**-20, 447.9999, fmax * (1 - 2**-23), 1e30):
         for pow2 in (False, True):
-            s = scale_from_amax(torch.tensor(amax_value), fmt, pow2=pow2)
+            s = scale_from_amax(torch.tensor(amax_value), fmt, pow2_scales=pow2)
             assert (torch.tensor(amax_value) * s).item() <= fmax
     assert scale_from_amax(torch.tensor(0.0), fmt, amax_eps=1e-6).item() == torch.tensor(fmax / 1e-6).item()
     for bad in (float("inf"), float("nan")):
@@ -179,14 +179,14 @@ def test_bad_input_errors():
 @pytest.mark.parametrize("pow2", [False, True])
 def test_current_scaling_quantizer_builds_a_float8_tensor(pow2):
     x = _randn(96, seed=10, dtype=torch.bfloat16).reshape(8, 12)
-    qz = CurrentScaling("e5m2", pow2=pow2)
+    qz = CurrentScaling("e5m2", pow2_scales=pow2)
     q = qz.quantize(x)
-    ref = cast_current_scaling(x, "e5m2", pow2=pow2)
+    ref = cast_current_scaling(x, "e5m2", pow2_scales=pow2)
     assert type(q) is Float8Tensor and q.dtype == torch.bfloat16 and q.shape == x.shape and q.quantizer is qz
     assert torch.equal(q.raw_buffers()["data"], ref.data) and torch.equal(q.raw_buffers()["scale_inv"], ref.scale_inv)
     x2 = x * 3
     qz.quantize_into(q, x2)  # in place: bytes and scale_inv replaced
-    assert torch.equal(q.raw_buffers()["data"], cast_current_scaling(x2, "e5m2", pow2=pow2).data)
+    assert torch.equal(q.raw_buffers()["data"], cast_current_scaling(x2, "e5m2", pow2_scales=pow2).data)
     with pytest.raises(ValueError, match="destination is e5m2, this quantizer makes e4m3"):
         CurrentScaling("e4m3").quantize_into(q, x2)
     with pytest.raises(ValueError, match="shape mismatch"):
@@ -242,7 +242,7 @@ def test_record_amaxes_equals_one_push_at_a_time():
     def zoo():
         qs = [DelayedScaling("e4m3", history_len=4) for _ in range(3)]
         qs += [DelayedScaling("e4m3", history_len=4, algo="most_recent", margin=2) for _ in range(2)]
-        qs += [DelayedScaling("e5m2", history_len=3, pow2=True) for _ in range(2)]
+        qs += [DelayedScaling("e5m2", history_len=3, pow2_scales=True) for _ in range(2)]
         qs += [DelayedScaling("e4m3", history_len=2), MyDelayed("e4m3", history_len=4)]
         return qs
 
@@ -304,11 +304,11 @@ def test_quantizer_save_load_weights_only():
     ds = DelayedScaling("e5m2", history_len=4, margin=1)
     ds.cast(_randn(20, seed=12))
     buf = io.BytesIO()
-    torch.save({"q": ds, "c": CurrentScaling(pow2=True)}, buf)
+    torch.save({"q": ds, "c": CurrentScaling(pow2_scales=True)}, buf)
     buf.seek(0)
     back = torch.load(buf, weights_only=True)
     assert torch.equal(back["q"].amax_history, ds.amax_history) and torch.equal(back["q"].scale, ds.scale)
-    assert back["c"].pow2 and back["q"].margin == 1
+    assert back["c"].pow2_scales and back["q"].margin == 1
 
 
 # --------------------------------------------------------------------------- fake quantization

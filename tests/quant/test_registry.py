@@ -45,9 +45,24 @@ def test_shared_scale_flag_matches_the_quantizers():
 
 
 def test_recipe_gives_every_parameter_a_new_quantizer():
-    rec = recipe("fp8", pow2=True)
+    rec = recipe("fp8", pow2_scales=True)
     a, b = rec("a.weight", None), rec("b.weight", None)
-    assert a is not b and a.pow2 and b.pow2
+    assert a is not b and a.pow2_scales and b.pow2_scales
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8_delayed", "fp8_1x128", "fp8_128x128"])
+def test_fp8_formats_take_one_pow2_scales_option(name):
+    """Every FP8 format whose scale is a free fp32 value takes the same option name, ``pow2_scales``;
+    with it every stored scale_inv is an exact power of two (without it, these Gaussian weights get none).
+    Each quantizer casts twice: delayed scaling's first cast uses its initial scale, 1.0."""
+    w = torch.randn(256, 384, generator=torch.Generator().manual_seed(11)) * 0.02
+    for pow2 in (False, True):
+        q = make_quantizer(name, pow2_scales=pow2)
+        assert q.pow2_scales is pow2, name
+        q.quantize(w)
+        s = q.quantize(w).raw_buffers()["scale_inv"].float()
+        mantissa, _ = torch.frexp(s)
+        assert bool((mantissa == 0.5).all()) is pow2, (name, pow2, s.flatten()[:4])
 
 
 def test_bad_names_and_options_fail_clearly():

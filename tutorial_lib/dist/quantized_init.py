@@ -176,7 +176,7 @@ def _stream_fp8(quantizer: CurrentScaling, gen, rows: int, row_numel: int, devic
         raise RuntimeError(f"{quantizer!r} lost its process group when pickled; call .set_group(group)")
     if quantizer.group is not None:
         all_reduce_amax(a, quantizer.group)  # one scale for the whole tensor, on every rank
-    scale = scale_from_amax(a, quantizer.fmt, pow2=quantizer.pow2, amax_eps=quantizer.amax_eps)
+    scale = scale_from_amax(a, quantizer.fmt, pow2_scales=quantizer.pow2_scales, amax_eps=quantizer.amax_eps)
     data = torch.empty((rows, row_numel), dtype=torch.uint8, device=device)
     for r in range(0, rows, step):
         chunk = hp[r : min(r + step, rows)] if keep_hp else gen(r, min(r + step, rows))

@@ -13,7 +13,7 @@ each -- forward, backward, optimizer step (eager, no ``torch.compile``)::
     blockwise_triton   the same                                     the same, all three GEMMs   FusedAdam, fp32 masters
                                                                     on the Triton kernel
     hybrid_pow2        hybrid and blockwise with power-of-two scales everywhere (weights, x, dy):
-    blockwise_pow2     ``Fp8Recipe(pow2_scales=True)``, weights ``recipe(fmt, pow2=True)`` / ``pow2_scales=True``.
+    blockwise_pow2     ``Fp8Recipe(pow2_scales=True)``, weights ``recipe(fmt, pow2_scales=True)``.
                        The blockwise one is the default of TE's ``Float8BlockScaling``; hybrid's casts take
                        the one-pass speculative path (the layer's last scale as the guess)
     torchao_tensorwise             torchao.float8, tensorwise (a peer, only where ``import torchao`` works): the
@@ -199,10 +199,7 @@ def _profile_phases(step, dev, steps: int) -> TrainStepPhases:
 
 def _weight_recipe(layer: Fp8Recipe):
     """The registry recipe of a variant's weights: its layer's format, with power-of-two scales if the layer's."""
-    fmt = WEIGHT_FORMATS[layer.kind]
-    if not layer.pow2_scales:
-        return make_recipe(fmt)
-    return make_recipe(fmt, **({"pow2": True} if layer.kind == "hybrid" else {"pow2_scales": True}))
+    return make_recipe(WEIGHT_FORMATS[layer.kind], pow2_scales=layer.pow2_scales)
 
 
 def _build(name: str, dim: int, hidden: int, n_blocks: int, mesh, dev, lr: float, ao):

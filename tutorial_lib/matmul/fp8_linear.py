@@ -142,7 +142,7 @@ def as_recipe(recipe: Fp8Recipe | str) -> Fp8Recipe:
 # operands are made here from those checked ones (and the token rule of _check_wgrad_tokens), so they are not
 # re-validated.
 
-_CASTS = {(fmt, pow2): CurrentScaling(fmt, pow2=pow2) for fmt in ("e4m3", "e5m2") for pow2 in (False, True)}
+_CASTS = {(fmt, pow2): CurrentScaling(fmt, pow2_scales=pow2) for fmt in ("e4m3", "e5m2") for pow2 in (False, True)}
 """The stateless current-scaling quantizers of the hybrid recipe, built once (no process group)."""
 
 

@@ -311,7 +311,7 @@ class RowwiseFP8:
     fmt: str  # "e4m3" or "e5m2"
 
 
-def quantize_rowwise(x: torch.Tensor, fmt: str = "e4m3", *, dim: int = -1, pow2: bool = False) -> RowwiseFP8:
+def quantize_rowwise(x: torch.Tensor, fmt: str = "e4m3", *, dim: int = -1, pow2_scales: bool = False) -> RowwiseFP8:
     """Current scaling per row of a 2-D ``x`` (amax over ``dim``): the operand of a row-wise scaled GEMM.
 
     For A [M, K] use ``dim=-1`` (scales [M, 1]); for a weight W [N, K] also ``dim=-1``, then pass
@@ -325,7 +325,7 @@ def quantize_rowwise(x: torch.Tensor, fmt: str = "e4m3", *, dim: int = -1, pow2:
         raise ValueError(f"fmt must be one of {sorted(FP8_DTYPES)}, got {fmt!r}")
     xf = x.detach().to(torch.float32)
     amax = xf.abs().amax(dim=dim, keepdim=True)  # NaN-propagating
-    scale = scale_from_amax(amax, fmt, pow2=pow2)
+    scale = scale_from_amax(amax, fmt, pow2_scales=pow2_scales)
     fmax = torch.finfo(FP8_DTYPES[fmt]).max
     data = (xf * scale).clamp(-fmax, fmax).to(FP8_DTYPES[fmt]).view(torch.uint8).contiguous()
     return RowwiseFP8(data=data, scale_inv=scale.reciprocal().contiguous(), fmt=fmt)

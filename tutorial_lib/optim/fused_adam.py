@@ -405,8 +405,8 @@ class FusedAdam(torch.optim.Optimizer):
                 fixups.append((j, local, target, values))
         if group is not None:
             all_reduce_amax(amaxes, group)  # ONE collective for the whole bucket
-        _, pow2, amax_eps, _ = b.current
-        launch_current_scaling_cast(b.tables, amax_eps=amax_eps, pow2=pow2)
+        _, pow2_scales, amax_eps, _ = b.current
+        launch_current_scaling_cast(b.tables, amax_eps=amax_eps, pow2_scales=pow2_scales)
         for j, local, target, values in fixups:
             local.quantizer.quantize_into(target, values, reduced_amax=amaxes[j])
 

@@ -85,7 +85,7 @@ def fused_fp8_format(local: torch.Tensor) -> str | None:
 
 
 def fused_current_scaling(local: torch.Tensor) -> tuple | None:
-    """``(fmt, pow2, amax_eps, group)`` if this current-scaled FP8 tensor can be requantized by the fused
+    """``(fmt, pow2_scales, amax_eps, group)`` if this current-scaled FP8 tensor can be requantized by the fused
     route (Adam pass with amax, one all-reduce per bucket, one multi-tensor cast:
     ``tutorial_kernels.adam_current_scaling``), else None. Tensors with equal keys share a bucket.
 
@@ -102,7 +102,7 @@ def fused_current_scaling(local: torch.Tensor) -> tuple | None:
     q = local.quantizer
     if q.fmt != local.meta()["fmt"]:
         return None
-    return q.fmt, bool(q.pow2), float(q.amax_eps), q.group
+    return q.fmt, bool(q.pow2_scales), float(q.amax_eps), q.group
 
 
 def fused_block_format(local: torch.Tensor) -> tuple[str, str] | None:
@@ -111,7 +111,7 @@ def fused_block_format(local: torch.Tensor) -> tuple[str, str] | None:
 
     The kernel re-implements a quantizer's rounding rule, so the quantizer's exact class decides
     (a subclass may change the rule): MXFP8 1x32 with an ``MXFP8Quantizer`` (floor or rceil), FP8
-    blockwise 1x128 with a ``BlockwiseFP8Quantizer`` (amax / 448 or pow2 scales). The element
+    blockwise 1x128 with a ``BlockwiseFP8Quantizer`` (amax / 448 or power-of-two scales). The element
     bytes must be a contiguous uint8 buffer of the tensor's shape, the scales contiguous.
     """
     if not is_quantized(local):
@@ -188,7 +188,7 @@ class Bucket:
     pairs: list = field(default_factory=list)  # requantize: (local quantized tensor, master local)
     hyper: torch.Tensor | None = None  # fp32 [2, n] ([3, n] capturable) on the device: this step's scalars
     fused_format: str | None = None  # requantize route done by kernels: "mxfp8", "fp8_1x128", "fp8_current"
-    current: tuple | None = None  # fp8_current: the quantizers' (fmt, pow2, amax_eps, group)
+    current: tuple | None = None  # fp8_current: the quantizers' (fmt, pow2_scales, amax_eps, group)
     views: list = field(default_factory=list)  # fp8_current: (j, local, master) of partial-view shards
     device_index: torch.Tensor | None = None  # capturable: ``index`` on the device
 
@@ -256,7 +256,7 @@ class Plan:
         keys: dict[tuple, list[int]] = {}
         fuse = group.get("fuse_requantize", True)
         fuse_current = fuse and group.get("batch_amax_reduce", True)
-        currents: dict[tuple, tuple] = {}  # bucket key (group by identity) -> (fmt, pow2, amax_eps, group)
+        currents: dict[tuple, tuple] = {}  # bucket key (group by identity) -> (fmt, pow2_scales, amax_eps, group)
         for i, (t, r) in enumerate(zip(locs, routes)):
             block_fmt = fused_block_format(t) if fuse and r == "requantize" else None
             current = fused_current_scaling(t) if fuse_current and r == "requantize" else None

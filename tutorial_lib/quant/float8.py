@@ -40,7 +40,7 @@ Example::
     q.dequantize()                   # bf16 values on the E4M3 grid (times scale_inv)
     q.raw_buffers()["data"].dtype    # torch.uint8
     q.t().contiguous()               # still a Float8Tensor
-    CurrentScaling("e4m3", pow2=True).quantize(x)          # scale from amax(x), rounded down to 2**k
+    CurrentScaling("e4m3", pow2_scales=True).quantize(x)   # scale from amax(x), rounded down to 2**k
     dq = DelayedScaling("e4m3", history_len=16, algo="max")
     for step in range(3):
         q = dq.quantize(activation(step))                   # uses the scale from earlier steps
@@ -315,19 +315,19 @@ class _PerTensorQuantizer(ScaleGroupMixin):
 class CurrentScaling(_PerTensorQuantizer):
     """Scale from this tensor's amax (all-reduced over ``group`` if given).
 
-    Args: ``fmt`` e4m3/e5m2; ``pow2`` rounds the scale down to a power of two; ``amax_eps``
+    Args: ``fmt`` e4m3/e5m2; ``pow2_scales`` rounds the scale down to a power of two; ``amax_eps``
     bounds the scale of all-zero tensors; ``group`` a process group for the amax MAX
     all-reduce (every rank then uses one scale); ``backend`` auto/torch/triton."""
 
-    def __init__(self, fmt: str = "e4m3", pow2: bool = False, amax_eps: float = 1e-12, group=None,
+    def __init__(self, fmt: str = "e4m3", pow2_scales: bool = False, amax_eps: float = 1e-12, group=None,
                  backend: str = "auto"):
         super().__init__(fmt, group, backend)
         check_amax_eps(amax_eps, fmt)
-        self.pow2 = pow2
+        self.pow2_scales = pow2_scales
         self.amax_eps = amax_eps
 
     def __repr__(self):
-        return (f"CurrentScaling(fmt={self.fmt!r}, pow2={self.pow2}, amax_eps={self.amax_eps:g}, "
+        return (f"CurrentScaling(fmt={self.fmt!r}, pow2_scales={self.pow2_scales}, amax_eps={self.amax_eps:g}, "
                 f"group={'dropped' if self.group_dropped else self.group})")
 
     def cast(self, x: torch.Tensor, *, out: torch.Tensor | None = None, scale_guess=None,
@@ -337,26 +337,27 @@ class CurrentScaling(_PerTensorQuantizer):
         check_input(x, self.fmt)
         reduce = self._reduce() if reduced_amax is None else (lambda a: a.copy_(reduced_amax))
         be = _backend(self.backend, x)
-        return be.cast_current_scaling(x, self.fmt, pow2=self.pow2, amax_eps=self.amax_eps, reduce_amax=reduce,
-                                       scale_guess=scale_guess, out=out)
+        return be.cast_current_scaling(x, self.fmt, pow2_scales=self.pow2_scales, amax_eps=self.amax_eps,
+                                       reduce_amax=reduce, scale_guess=scale_guess, out=out)
 
     def cast_with_transpose(self, x: torch.Tensor, *, scale_guess=None) -> tuple[CastResult, torch.Tensor]:
         """:meth:`cast` of a 2-D ``x`` plus the codes of ``x.t()`` (contiguous): on CUDA the Triton cast, then a
         transpose of its codes (``cast_current_scaling_with_transpose``). Same bytes either way."""
         check_input(x, self.fmt)
         return _backend(self.backend, x).cast_current_scaling_with_transpose(
-            x, self.fmt, pow2=self.pow2, amax_eps=self.amax_eps, reduce_amax=self._reduce(), scale_guess=scale_guess)
+            x, self.fmt, pow2_scales=self.pow2_scales, amax_eps=self.amax_eps, reduce_amax=self._reduce(),
+            scale_guess=scale_guess)
 
     def quantize(self, x: torch.Tensor):
         """A Float8Tensor of ``x`` (nominal dtype and shape of ``x``) holding this quantizer."""
         return self._make(x, self.cast(x))
 
     def quantize_into(self, dst, x: torch.Tensor, *, reduced_amax: torch.Tensor | None = None) -> None:
-        """Requantize ``x`` into ``dst``'s buffers in place. With ``pow2`` the destination's old
+        """Requantize ``x`` into ``dst``'s buffers in place. With ``pow2_scales`` the destination's old
         scale is the guess of the one-pass speculative Triton cast (same bytes either way).
         ``reduced_amax``: as in :meth:`cast`."""
         bufs = self._check_dst(dst, x)
-        guess = bufs["scale_inv"].reciprocal() if self.pow2 else None
+        guess = bufs["scale_inv"].reciprocal() if self.pow2_scales else None
         self._write(bufs, self.cast(x, out=self._out(bufs, x), scale_guess=guess, reduced_amax=reduced_amax))
 
 
@@ -370,7 +371,7 @@ class DelayedScaling(_PerTensorQuantizer):
     overflowed does not poison the scale."""
 
     def __init__(self, fmt: str = "e4m3", history_len: int = 16, algo: str = "max", margin: int = 0, group=None,
-                 *, pow2: bool = False, amax_eps: float = 1e-12, backend: str = "auto"):
+                 *, pow2_scales: bool = False, amax_eps: float = 1e-12, backend: str = "auto"):
         super().__init__(fmt, group, backend)
         if algo not in ("max", "most_recent"):
             raise ValueError(f"algo must be 'max' or 'most_recent', got {algo!r}")
@@ -382,7 +383,7 @@ class DelayedScaling(_PerTensorQuantizer):
         self.history_len = int(history_len)
         self.algo = algo
         self.margin = int(margin)
-        self.pow2 = pow2
+        self.pow2_scales = pow2_scales
         self.amax_eps = amax_eps
         self.amax_history = torch.zeros(self.history_len, dtype=torch.float32)  # [0] is the most recent
         self.scale = torch.ones((), dtype=torch.float32)
@@ -390,7 +391,7 @@ class DelayedScaling(_PerTensorQuantizer):
 
     def __repr__(self):
         return (f"DelayedScaling(fmt={self.fmt!r}, history_len={self.history_len}, algo={self.algo!r}, "
-                f"margin={self.margin}, steps={self.steps})")
+                f"margin={self.margin}, pow2_scales={self.pow2_scales}, steps={self.steps})")
 
     def _to(self, device) -> None:
         if self.scale.device != torch.device(device):
@@ -403,7 +404,7 @@ class DelayedScaling(_PerTensorQuantizer):
         self.amax_history = torch.roll(self.amax_history, 1)
         self.amax_history[0] = a.reshape(())
         h = self.amax_history[0] if self.algo == "most_recent" else self.amax_history.amax()
-        new = scale_from_amax(h, self.fmt, pow2=self.pow2, amax_eps=self.amax_eps, margin=self.margin)
+        new = scale_from_amax(h, self.fmt, pow2_scales=self.pow2_scales, amax_eps=self.amax_eps, margin=self.margin)
         self.scale = torch.where(torch.isfinite(h) & (h > 0), new, self.scale)
         self.steps += 1
 
@@ -440,10 +441,10 @@ def record_amaxes(quantizers: list, amaxes: torch.Tensor) -> None:
     groups: dict[tuple, list[int]] = {}
     for j, q in enumerate(quantizers):
         if type(q) is DelayedScaling:
-            groups.setdefault((q.fmt, q.history_len, q.algo, q.margin, q.pow2, q.amax_eps), []).append(j)
+            groups.setdefault((q.fmt, q.history_len, q.algo, q.margin, q.pow2_scales, q.amax_eps), []).append(j)
         else:
             q.record_amax(amaxes[j])
-    for (fmt, _, algo, margin, pow2, amax_eps), js in groups.items():
+    for (fmt, _, algo, margin, pow2_scales, amax_eps), js in groups.items():
         qs = [quantizers[j] for j in js]
         if len(js) == 1 or len({id(q) for q in qs}) != len(qs):  # alone, or pushed twice: in order
             for j in js:
@@ -454,7 +455,7 @@ def record_amaxes(quantizers: list, amaxes: torch.Tensor) -> None:
         hist = torch.roll(torch.stack([q.amax_history for q in qs]), 1, dims=1)
         hist[:, 0] = amaxes[torch.tensor(js, device=amaxes.device)] if len(js) != len(amaxes) else amaxes
         h = hist[:, 0] if algo == "most_recent" else hist.amax(dim=1)
-        new = scale_from_amax(h, fmt, pow2=pow2, amax_eps=amax_eps, margin=margin)
+        new = scale_from_amax(h, fmt, pow2_scales=pow2_scales, amax_eps=amax_eps, margin=margin)
         scales = torch.where(torch.isfinite(h) & (h > 0), new, torch.stack([q.scale for q in qs]))
         torch._foreach_copy_([q.amax_history for q in qs] + [q.scale for q in qs],
                              list(hist.unbind(0)) + list(scales.unbind(0)))

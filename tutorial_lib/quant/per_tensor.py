@@ -80,11 +80,11 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return bits.amax().view(torch.float32)
 
 
-def scale_from_amax(amax: torch.Tensor, fmt: str = "e4m3", *, pow2: bool = False,
+def scale_from_amax(amax: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool = False,
                     amax_eps: float = 1e-12, margin: int = 0) -> torch.Tensor:
     """``scale = fmt.max / max(amax, amax_eps) / 2**margin`` in fp32; NaN for a non-finite amax.
 
-    ``pow2`` rounds the scale *down* to a power of two (so ``amax * scale <= max`` still holds
+    ``pow2_scales`` rounds the scale *down* to a power of two (so ``amax * scale <= max`` still holds
     and ``scale_inv`` is exact); taken from the exponent bits, not from ``log2``, which can
     round up near a power of two."""
     fmax = get_format(fmt).max
@@ -94,7 +94,7 @@ def scale_from_amax(amax: torch.Tensor, fmt: str = "e4m3", *, pow2: bool = False
     scale = torch.full_like(a, fmax) / torch.clamp_min(a, amax_eps)  # clamp_min keeps NaN
     if margin:
         scale = scale * 2.0 ** (-int(margin))  # exact power-of-two step
-    if pow2:
+    if pow2_scales:
         scale = (scale.view(torch.int32) & _EXP_MASK).view(torch.float32)
     return torch.where(a < float("inf"), scale, torch.full_like(scale, float("nan")))
 
@@ -119,7 +119,7 @@ def dequantize_per_tensor(data: torch.Tensor, scale_inv: torch.Tensor | float, f
     return (values * torch.as_tensor(scale_inv, dtype=torch.float32, device=data.device)).to(dtype)
 
 
-def cast_current_scaling(x: torch.Tensor, fmt: str = "e4m3", *, pow2: bool = False, amax_eps: float = 1e-12,
+def cast_current_scaling(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool = False, amax_eps: float = 1e-12,
                          reduce_amax: Callable[[torch.Tensor], None] | None = None,
                          scale_guess: torch.Tensor | None = None, out: torch.Tensor | None = None) -> CastResult:
     """Current scaling: amax of ``x`` -> scale -> saturating cast.
@@ -133,13 +133,13 @@ def cast_current_scaling(x: torch.Tensor, fmt: str = "e4m3", *, pow2: bool = Fal
     a = amax(x)
     if reduce_amax is not None:
         reduce_amax(a)
-    scale = scale_from_amax(a, fmt, pow2=pow2, amax_eps=amax_eps)
+    scale = scale_from_amax(a, fmt, pow2_scales=pow2_scales, amax_eps=amax_eps)
     data = _into(out, quantize_per_tensor(x, scale, fmt))
     return CastResult(data, scale, scale.reciprocal(), a)
 
 
 def cast_current_scaling_with_transpose(
-    x: torch.Tensor, fmt: str = "e4m3", *, pow2: bool = False, amax_eps: float = 1e-12,
+    x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool = False, amax_eps: float = 1e-12,
     reduce_amax: Callable[[torch.Tensor], None] | None = None, scale_guess: torch.Tensor | None = None,
 ) -> tuple[CastResult, torch.Tensor]:
     """:func:`cast_current_scaling` of a 2-D ``x`` and the transposed codes ``result.data.t().contiguous()``:
@@ -147,7 +147,8 @@ def cast_current_scaling_with_transpose(
     if x.dim() != 2:
         raise ValueError(f"cast_current_scaling_with_transpose takes a 2-D [rows, features] tensor, got shape "
                          f"{tuple(x.shape)}; flatten the leading dims first")
-    res = cast_current_scaling(x, fmt, pow2=pow2, amax_eps=amax_eps, reduce_amax=reduce_amax, scale_guess=scale_guess)
+    res = cast_current_scaling(x, fmt, pow2_scales=pow2_scales, amax_eps=amax_eps, reduce_amax=reduce_amax,
+                               scale_guess=scale_guess)
     return res, res.data.t().contiguous()
 
 

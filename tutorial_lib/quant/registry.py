@@ -20,7 +20,7 @@ Example::
     from tutorial_lib.quant.registry import FORMAT_NAMES, make_quantizer, recipe
     q = make_quantizer("mxfp8").quantize(w)                 # an MXFP8Tensor
     q = make_quantizer("mxfp8", rounding="rceil").quantize(w)
-    rec = recipe("fp8", pow2=True)                          # for quantize_params_ / build_sharded_quantized
+    rec = recipe("fp8", pow2_scales=True)                   # for quantize_params_ / build_sharded_quantized
     get_format_info("nvfp4_16x16").label                    # "nvfp4 16x16" (for plots and tables)
 """
 
@@ -84,7 +84,8 @@ def get_format_info(name: str) -> FormatInfo:
 
 
 def make_quantizer(name: str, **options):
-    """A new quantizer for format ``name``; ``options`` go to its constructor (``pow2=True``, ``rounding=...``)."""
+    """A new quantizer for format ``name``; ``options`` go to its constructor (``pow2_scales=True``,
+    ``rounding=...``)."""
     return get_format_info(name).quantizer(**options)
 
 
