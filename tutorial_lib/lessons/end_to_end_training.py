@@ -256,9 +256,11 @@ class AccumulationResult:
 
     micro_batches: int  # micro-batches per rank per step
     max_err_fp32: float  # max |FSDP2 grad (reduce_dtype fp32) - float64 accumulation of the same bf16 grads|
-    bound_fp32: float  # the derived bound on that error: (K + W) * 2**-24 * max sum |g| (see the lesson)
+    bound_fp32: float  # the largest elementwise bound on that error: (K + W) * 2**-24 * sum |g| (see the lesson)
+    within_bound_fp32: bool  # every element's error within ITS OWN bound
     equal_fp32_reference: bool  # FSDP2 grad == single-process fp32 accumulation in FSDP2's order, bit for bit
     max_err_bf16: float  # the same error with reduce_dtype=bf16 (gradients accumulated and reduced in bf16)
+    within_bound_bf16: bool  # every element of the bf16-reduced gradient within the fp32 bound
     supported_ms: float  # one accumulated step (K micro-batches, one reduce-scatter), supported path
     supported_peak_bytes: int  # peak memory above the start of that step, this rank
     main_grad_ms: float  # the same step with MainGradLinear layers and full-shape fp32 main_grad buffers
@@ -306,16 +308,16 @@ def accumulation_check(micro_batches: int = 4, dim: int = 48, hidden: int = 96, 
         fully_shard_blocks(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                        reduce_dtype=reduce_dtype))
         _accumulated_step(model, data[rank])
-        err, equal, bound = 0.0, True, 0.0
+        err, equal, bound, within = 0.0, True, 0.0, True
         for n, p in model.named_parameters():
-            got = p.grad.to_local().double()
-            want = _local_rows(acc64[n] / ws, p.grad)
-            err = max(err, float((got - want).abs().max()))
-            bound = max(bound, (k + ws) * 2.0**-24 * float(_local_rows(acc64[n + ".abs"] / ws, p.grad).max()))
+            e = (p.grad.to_local().double() - _local_rows(acc64[n] / ws, p.grad)).abs()
+            b = (k + ws) * 2.0**-24 * _local_rows(acc64[n + ".abs"] / ws, p.grad)
+            err, bound = max(err, float(e.max())), max(bound, float(b.max()))
+            within &= bool((e <= b).all())
             equal &= torch.equal(p.grad.to_local(), _local_rows(acc32[n] / ws, p.grad))
-        results[reduce_dtype] = (err, equal, bound, model)
+        results[reduce_dtype] = (err, equal, bound, within, model)
     # time and memory: the supported step, and the same step with full-shape main_grad buffers (pitfall c)
-    model = results[torch.float32][3]
+    model = results[torch.float32][4]
     mg = PitfallNet(dim, hidden, n_blocks, lambda i, o: MainGradLinear(i, o, lookup="module"), seed).to(dev)
     for _, m in _main_grad_layers(mg):
         m.main_grad = torch.zeros(m.weight.shape, dtype=torch.float32, device=dev)
@@ -336,6 +338,7 @@ def accumulation_check(micro_batches: int = 4, dim: int = 48, hidden: int = 96, 
                 torch.cuda.synchronize(dev)
             ts.append(1e3 * (time.perf_counter() - t0))
         timings[name] = (sorted(ts)[len(ts) // 2], peak.bytes)
-    return AccumulationResult(k, results[torch.float32][0], results[torch.float32][2], results[torch.float32][1],
-                              results[torch.bfloat16][0], *timings["supported"], *timings["main_grad"],
+    (err32, equal32, bound32, within32, _), (err16, _, _, within16, _) = results[torch.float32], results[torch.bfloat16]
+    return AccumulationResult(k, err32, bound32, within32, equal32, err16, within16, *timings["supported"],
+                              *timings["main_grad"],
                               sum(m.main_grad.numel() * 4 for _, m in _main_grad_layers(mg)))
