@@ -211,6 +211,8 @@ class QuantizedStep:
     local_rows: int  # rows of this rank's shard (uneven: 9 rows over 2 ranks -> 5 and 4)
     max_master_err: float  # max |FusedAdam master - reference AdamW on the fp32 shard| over all steps
     fp8_bytes_equal_quantize_of_master: bool  # every step: fused FP8 bytes == quantize(master, scale in force)
+    current_bytes_equal_quantize_of_master: bool  # every step: the current-scaled weight's bytes and scale_inv ==
+    # CurrentScaling(group=WORLD).quantize(its new master): the all-reduced amax of all shards
     scale_inv_per_step: list[list[float]]  # per step, per parameter: the scale_inv after the step
     state_is_dtensor: bool  # exp_avg, exp_avg_sq and master_param are DTensors
     hp_init_consumed: bool  # HP_INIT_ATTR was deleted once it had seeded the master
@@ -253,7 +255,7 @@ def quantized_dtensor_step(steps: int = 3, lr: float = 1e-2, rows: int = 9, cols
     masters = [shard(w) for w in full]
     ms = [torch.zeros_like(x) for x in masters]
     vs = [torch.zeros_like(x) for x in masters]
-    max_master_err, bytes_equal, scales = 0.0, True, []
+    max_master_err, bytes_equal, current_equal, scales = 0.0, True, True, []
     for step in range(1, steps + 1):
         scale_in_force = quantizers[0].scale.to(dev).clone()
         for i, p in enumerate(params):
@@ -269,6 +271,9 @@ def quantized_dtensor_step(steps: int = 3, lr: float = 1e-2, rows: int = 9, cols
         local = params[0].to_local()
         master = opt.state[params[0]]["master_param"].to_local()
         bytes_equal &= torch.equal(local.raw_buffers()["data"], quantize_per_tensor(master, scale_in_force, "e4m3"))
+        want = CurrentScaling("e4m3", group=group).quantize(opt.state[params[1]]["master_param"].to_local())
+        got = params[1].to_local().raw_buffers()
+        current_equal &= all(torch.equal(got[k], want.raw_buffers()[k]) for k in ("data", "scale_inv"))
         scales.append([params[i].to_local().raw_buffers()["scale_inv"].item() for i in range(2)])
     return QuantizedStep(
         rank=rank,
@@ -276,6 +281,7 @@ def quantized_dtensor_step(steps: int = 3, lr: float = 1e-2, rows: int = 9, cols
         local_rows=params[0].to_local().shape[0],
         max_master_err=max_master_err,
         fp8_bytes_equal_quantize_of_master=bool(bytes_equal),
+        current_bytes_equal_quantize_of_master=bool(current_equal),
         scale_inv_per_step=scales,
         state_is_dtensor=all(isinstance(opt.state[p][k], DTensor) for p in params
                              for k in ("exp_avg", "exp_avg_sq", "master_param")),
