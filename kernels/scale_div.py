@@ -38,6 +38,7 @@ backend.
 
 Usage inside a kernel (``s`` broadcasts against ``x``: one scale per block)::
 
+    from tutorial_kernels.fp8_round import encode_fp8
     from tutorial_kernels.scale_div import div_rn_by_scale
     q = encode_fp8(div_rn_by_scale(x, s[:, None]), "e4m3")   # the codes of tl.div_rn(x, s[:, None])
 """

@@ -9,8 +9,9 @@
 #     environment's package folders. (--system-site-packages alone exposes only the *base* interpreter's
 #     site-packages, so a venv made from a venv would not see its parent's torch.)
 #   - a system or conda Python with torch >= 2.8: VENV is created with --system-site-packages.
-#   - no torch anywhere: torch==2.13.0 is installed into VENV *before* the project, so pip does not
-#     resolve `torch>=2.8` to a multi-GB CUDA build on a CPU-only machine.
+#   - no torch anywhere: torch==2.13.0 is installed into VENV *before* the project. From pip's default
+#     index that is the CUDA build on Linux x86-64; on a CPU-only machine add PyTorch's CPU wheel index:
+#     PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu (its 2.13.0+cpu sorts above 2.13.0).
 #   - TORCH_SPEC=... (e.g. "torch==2.13.0" or a wheel path): that torch is installed into VENV, shadowing
 #     any torch the invoking Python has.
 # Offline machines: point pip at a wheelhouse with pip's own variables, e.g.

@@ -20,6 +20,7 @@ scope stays strict: nothing is allowed that was not allowed at ``fully_shard``.
 Example::
 
     from tutorial_lib.dist.fsdp2_reflatten import follow_first_flatten
+    from tutorial_lib.quant.view_policy import allow_flat_views
     follow_first_flatten()          # idempotent; importing tutorial_lib.dist.fsdp2 already did it
     with allow_flat_views():
         fully_shard(layer)          # first flatten: RawBytes, and recorded

@@ -15,6 +15,8 @@ the order ``(mesh, device)``::
 
 Example::
 
+    from torch.distributed.tensor import DTensor, Shard
+    from tutorial_lib.dist.launcher import launch
     from tutorial_lib.dist.mesh import world_mesh
 
     def my_rank_fn():

@@ -29,7 +29,7 @@ Example::
 
     import re, torch
     from torch.profiler import ProfilerActivity, profile, record_function
-    from tutorial_lib.harness.kernel_ranges import kernel_time_by_range
+    from tutorial_lib.harness.kernel_ranges import exact_name, kernel_time_by_range
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function("cast"):

@@ -14,7 +14,7 @@ It follows ``torch.optim.AdamW``'s single-tensor path op for op, so on the CPU i
 
 The Triton kernels (``tutorial_kernels.adam``) compute the same formula in fp32 and take the two
 step-dependent scalars from ``adam_step_scalars`` (float64, then rounded to fp32 once) so the
-bias corrections are never computed in fp32: ``1 - 0.999 ** 1`` in fp32 is off by ~6e-5 relative.
+bias corrections are never computed in fp32: ``1 - 0.999 ** 1`` in fp32 is off by ~1.3e-5 relative.
 Those scalars are the host-side half of the kernel's math, so they are defined once, in
 ``tutorial_kernels.adam``, and re-exported here.
 

@@ -23,6 +23,7 @@ Example::
 
     from tutorial_lib.quant.base_ops import dispatch_table_summary, trace_dispatch
     from tutorial_lib.quant.conversion import nominal_dtype_casts
+    from tutorial_lib.quant.float8 import Float8Tensor
     q.float()                                   # plain fp32 tensor == q.dequantize(torch.float32)
     with nominal_dtype_casts():
         model.to(torch.bfloat16)                # quantized params stay quantized, nominal dtype bf16

@@ -34,7 +34,7 @@ ever decoded with a scale it was not quantized with.
 
 Example::
 
-    from tutorial_lib.quant.float8 import Float8Tensor
+    from tutorial_lib.quant.float8 import CurrentScaling, DelayedScaling, Float8Tensor
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     q = Float8Tensor.from_high_precision(x, scale=448 / x.abs().max(), fmt="e4m3")
     q.dequantize()                   # bf16 values on the E4M3 grid (times scale_inv)

@@ -17,7 +17,7 @@ that hands every parameter its own quantizer.
 
 Example::
 
-    from tutorial_lib.quant.registry import FORMAT_NAMES, make_quantizer, recipe
+    from tutorial_lib.quant.registry import FORMAT_NAMES, get_format_info, make_quantizer, recipe
     q = make_quantizer("mxfp8").quantize(w)                 # an MXFP8Tensor
     q = make_quantizer("mxfp8", rounding="rceil").quantize(w)
     rec = recipe("fp8", pow2_scales=True)                   # for quantize_params_ / build_sharded_quantized

@@ -1,6 +1,6 @@
 """The training loop: a byte-level transformer trained under FSDP2 in any weight format, resumable exactly.
 
-What :func:`train` does on every rank, in order (the lesson each step comes from)::
+What :func:`train_model` does on every rank, in order (the lesson each step comes from)::
 
     1  mesh over the world; the device: cuda:<LOCAL_RANK> or cpu                    (00, 05)
     2  Transformer built on the meta device (no memory)                            (06)
