@@ -187,7 +187,10 @@ def test_blocking_stager_dequantizes_and_the_loader_refuses_to_requantize():
         with pytest.raises(RequantizeOnLoadError, match="would REQUANTIZE"):
             load_checkpoint(_fresh_like(live), path)
         out = load_checkpoint(_fresh_like(live), path, requantize="allow")  # explicit opt-in works
-        assert out["fc1.weight"].dequantize().shape == (16, 8)
+        for name in ("fc1.weight", "fc2.weight"):  # the saved values, requantized with the TARGET's scale (1.0)
+            want = Float8Tensor.from_high_precision(live[name].dequantize(live[name].dtype), scale=1.0)
+            assert torch.equal(out[name].raw_buffers()["data"], want.raw_buffers()["data"]), name
+            assert out[name].raw_buffers()["scale_inv"].item() == 1.0, name
 
 
 # ----------------------------------------------------------------------------- pitfall: NaN / Inf after load

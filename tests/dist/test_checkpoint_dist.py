@@ -66,7 +66,8 @@ def device(request):
 
 
 def _max_ranks(device) -> int:
-    return torch.cuda.device_count() if device.type == "cuda" else 2
+    """One GPU per rank on CUDA; on CPU four gloo ranks (2 cores: slow, but the 2 <-> 4 reshards run in CI)."""
+    return torch.cuda.device_count() if device.type == "cuda" else 4
 
 
 def _saved(run, world_size, device):
@@ -141,8 +142,6 @@ def test_contract_reshard_2_to_1_restores_every_tensor_exactly(run, device, plan
 
 @pytest.mark.parametrize("save_ws,load_ws", [(2, 1), (2, 4), (4, 2)])
 def test_reshard_n_to_m_on_ranks(run, device, save_ws, load_ws):
-    if device.type == "cpu" and load_ws == 1:
-        pytest.skip("2 -> 1 on CPU is covered in-process by the contract test above")
     if max(save_ws, load_ws) > _max_ranks(device):
         pytest.skip(f"needs {max(save_ws, load_ws)} ranks on {device.type}")
     root, _, expected = _saved(run, save_ws, device)

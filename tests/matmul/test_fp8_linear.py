@@ -40,6 +40,7 @@ from tutorial_lib.models import BlockMLP, QLinear, counter_uniform
 from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer, FP8BlockwiseTensor
 from tutorial_lib.quant.fallback import FALLBACKS, reset_counters, strict_dispatch
 from tutorial_lib.quant.float8 import CurrentScaling, Float8Tensor
+from tutorial_lib.quant.formats import decode
 from tutorial_lib.quant.registry import make_quantizer
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -128,6 +129,64 @@ def test_forward_and_backward_within_derived_bounds(device, kind, dtype, backend
     u = U_OUT[dtype]
     db_bound = m * u / (1 - m * u) * g2.double().abs().sum(0) + u * g2.double().sum(0).abs()
     assert ((db.double() - g2.double().sum(0)).abs() <= db_bound).all()
+
+
+def _operand(t: torch.Tensor, quantizer, fmt: str = "e4m3"):
+    """``(codes, scale_inv, |dequantized| in float64)`` of ``t`` quantized as the layer does it."""
+    bufs = quantizer.quantize(t.contiguous()).raw_buffers()
+    data, s = bufs["data"], bufs["scale_inv"]
+    if s.numel() == 1:  # per-tensor
+        return data, s, (decode(data, fmt).double() * s.double()).abs()
+    block = quantizer.block
+    return data, s, R.dequantize_blockwise_f64(data, s, block).abs()
+
+
+@pytest.mark.parametrize("device,kind,dtype,backend", CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_each_gemm_equals_the_float64_gemm_of_its_quantized_operands(device, kind, dtype, backend):
+    """The tight check: quantize x, W and dy exactly as the layer does (current scaling and blocks are
+    deterministic), multiply the codes in float64 (the reference module), and the layer's outputs may differ
+    only by the GEMM's accumulation and output rounding (``gemm_error_bound``) -- no quantization term. A
+    dropped bias, a scale applied twice or a wrong block would break it; the looser test above only bounds
+    the distance to the unquantized product."""
+    recipe = Fp8Recipe(kind, backend=backend)
+    w, bias, x, g = _layer(recipe, device, dtype)
+    y, dx, dw, _ = _run(recipe, w, bias, x, g)
+    x2, g2, w2 = x.detach().reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]), w.detach()
+    inner = R.FP8_TENSOR_CORE_UNIT_ROUNDOFF if (device != "cpu" and fp8_tensor_cores(device)) \
+        else R.FP32_UNIT_ROUNDOFF
+    if kind == "hybrid":
+        e4, e5 = CurrentScaling("e4m3"), CurrentScaling("e5m2")
+        xq, wq, gq = _operand(x2, e4), _operand(w2, e4), _operand(g2, e5, "e5m2")
+
+        def ref_of(a, b, fmt_a):  # a, b: (codes [rows, K], scale, |deq|) with the reduction along dim 1
+            return R.per_tensor_fp8_gemm_reference(a[0], a[1], b[0], b[1], fmt_a=fmt_a, out_dtype=torch.float64)
+        t = lambda q: (q[0].t().contiguous(), q[1], q[2].t())  # noqa: E731  (transposed codes, same scale)
+        gemms = {"fprop": (xq, wq, "e4m3"), "dgrad": (gq, t(wq), "e5m2"), "wgrad": (t(gq), t(xq), "e5m2")}
+        block_k = None
+    else:
+        rows, tiles = BlockwiseFP8Quantizer((1, 128)), BlockwiseFP8Quantizer((128, 128))
+        wq = _operand(w2, tiles)
+        w_t = (wq[0].t().contiguous(), wq[1].t().contiguous(), wq[2].t())
+        gemms = {"fprop": (_operand(x2, rows), wq, (128, 128)), "dgrad": (_operand(g2, rows), w_t, (128, 128)),
+                 "wgrad": (_operand(g2.t(), rows), _operand(x2.t(), rows), (1, 128))}
+
+        def ref_of(a, b, b_block):
+            return R.blockwise_fp8_gemm_reference(a[0], a[1], b[0], b[1], out_dtype=torch.float64, b_block=b_block)
+        block_k = 128
+    outs = {"fprop": y.reshape(x2.shape[0], -1), "dgrad": dx.reshape(x2.shape), "wgrad": dw}
+    for name, (a, b, how) in gemms.items():
+        ref = ref_of(a, b, how)
+        if name == "fprop":
+            ref = ref + bias.detach().double()
+        bound = R.gemm_error_bound(a[2], b[2], a[2].shape[1], block_k=block_k, inner_unit_roundoff=inner,
+                                   out_dtype=dtype, reference=ref)
+        bound = bound + 2.0**-24 * (ref.abs() + bound)  # fprop: the bias add's fp32 rounding
+        err = (outs[name].double() - ref).abs()
+        assert (err <= bound).all(), f"{name}: error exceeds the GEMM bound by {float((err - bound).max()):.3g}"
+        # tight: fp32 accumulation (CPU) leaves ~K * 2**-24; bf16 output and tensor-core sums leave more
+        tight = 1e-4 if dtype == torch.float32 and inner == R.FP32_UNIT_ROUNDOFF else 0.05
+        rel = float((bound / ref.abs().clamp_min(1e-30)).median())
+        assert rel < tight, f"{name}: median bound / |value| = {rel:.3g}, not below {tight}"
 
 
 @pytest.mark.parametrize("kind", ["hybrid", "blockwise"])

@@ -170,7 +170,7 @@ def test_blockwise_1x128_by_1x128_matches_the_reference(device, backend):
     _assert_within(out, ref, bound)
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4_1x16", "fp8_1x128"])
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4_1x16", "nvfp4_16x16", "fp8_1x128"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_other_formats_run_as_a_labelled_emulation(device, fmt):
     """MXFP8 / NVFP4 have no tensor cores on Hopper: ``emulated_mm`` dequantizes both operands to fp32 and

@@ -112,13 +112,22 @@ def test_bf16_params_with_master_weights():
 
 
 def test_bf16_params_without_master_take_the_inplace_route():
+    """No master: each step reads the bf16 weight, updates in fp32 and rounds back to bf16. Against the
+    fp32 reference applied to the same bf16 weight each step, the result is that update rounded to bf16:
+    within half a bf16 ulp (2**-8 relative), plus the kernel's fp32 ulp of difference from torch."""
     p = _params([(40,)], 3, torch.bfloat16)[0]
-    opt = FusedAdam([p], lr=LR, block=BLOCK)
-    before = p.detach().clone()
-    p.grad = _grad((40,), 4, torch.bfloat16)
-    opt.step()
-    assert opt.routes() == [["lowp"]] and "master_param" not in opt.state[p]
-    assert not torch.equal(p.detach(), before)
+    opt = FusedAdam([p], lr=LR, weight_decay=WD, block=BLOCK)
+    m, v = torch.zeros(40, device=DEV), torch.zeros(40, device=DEV)
+    for step in range(1, 4):  # three steps: the betas and the moments matter after the first
+        want = p.detach().float()
+        p.grad = _grad((40,), 4 + step, torch.bfloat16)
+        adamw_reference_step_(want, p.grad.float(), m, v, step, lr=LR, betas=(0.9, 0.999), eps=1e-8,
+                              weight_decay=WD)
+        opt.step()
+        assert opt.routes() == [["lowp"]] and "master_param" not in opt.state[p]
+        got = p.detach().float()
+        assert bool(((got - want).abs() <= 2.0**-8 * want.abs() + 1e-7).all()), (step, (got - want).abs().max())
+        assert (got != want.to(torch.bfloat16).float()).sum() <= 1, step  # rounding ties aside, the same bf16
 
 
 def test_master_seeded_from_preserved_high_precision_init():
@@ -189,14 +198,21 @@ def test_loads_a_torch_adamw_state_dict():
 
 
 def test_reseed_master_weights_after_loading_new_values():
+    """After new values are loaded into the parameters, each master equals its parameter's values exactly:
+    a bf16 parameter widened, an MXFP8 one dequantized (fresh random values, so any permutation or stale
+    copy shows)."""
     p = _params([(10,)], 7, torch.bfloat16)[0]
-    opt = FusedAdam([p], lr=LR, master_weights=True)
-    p.grad = _grad((10,), 1, torch.bfloat16)
+    q = torch.nn.Parameter(MXFP8Quantizer().quantize(_grad((4, 64), 2, torch.bfloat16)))
+    opt = FusedAdam([p, q], lr=LR, master_weights=True)
+    p.grad, q.grad = _grad((10,), 1, torch.bfloat16), _grad((4, 64), 3, torch.bfloat16)
     opt.step()
     with torch.no_grad():
-        p.fill_(2.0)
+        p.copy_(_grad((10,), 11, torch.bfloat16))
+        q.copy_(_grad((4, 64), 12, torch.bfloat16))  # requantized into q's MXFP8 bytes
+    assert not torch.equal(opt.state[p]["master_param"], p.detach().float())
     opt.reseed_master_weights()
-    assert torch.equal(opt.state[p]["master_param"], torch.full((10,), 2.0, device=DEV))
+    assert torch.equal(opt.state[p]["master_param"], p.detach().float())
+    assert torch.equal(opt.state[q]["master_param"], q.detach().dequantize(torch.float32))
 
 
 def test_bad_hyper_parameters_and_grads():

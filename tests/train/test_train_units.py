@@ -109,6 +109,9 @@ def test_learning_rate_schedule():
     lrs = [learning_rate(cfg, s) for s in range(20)]
     assert lrs[:4] == [2.5e-3, 5e-3, 7.5e-3, 1e-2] and lrs[4] == pytest.approx(1e-2)
     assert all(a >= b for a, b in zip(lrs[4:], lrs[5:])) and lrs[-1] > 1e-3
+    # cosine from lr to lr/10 over steps 4..20: half-way (step 12) cos(pi/2) = 0 gives the mean of the two
+    assert lrs[12] == pytest.approx(1e-2 * (0.1 + 0.45)) and learning_rate(cfg, 20) == pytest.approx(1e-3)
+    assert learning_rate(cfg, 25) == pytest.approx(1e-3)  # held at lr/10 after the last step
 
 
 def test_checkpoint_discovery_skips_incomplete_saves(tmp_path):
