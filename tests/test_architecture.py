@@ -37,6 +37,17 @@ def test_import_contracts_hold():
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
 
 
+def test_the_linter_reads_every_tracked_python_file():
+    """``ruff check .`` (what `make lint` runs) must see every tracked .py file: its default excludes would
+    silently skip a package named like a build folder (``tutorial_lib/dist``)."""
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--show-files", "."], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    seen = {Path(line.strip()).resolve() for line in r.stdout.splitlines() if line.strip().endswith(".py")}
+    missed = [str(f.relative_to(ROOT)) for f in _tracked_files() if f.suffix == ".py" and f.resolve() not in seen]
+    assert not missed, f"ruff does not read {missed[:10]} ({len(missed)} files)"
+
+
 def _cycle(graph) -> list[str] | None:
     """One import cycle among the graph's modules (DFS, three colours), or None."""
     colour, stack = {}, []

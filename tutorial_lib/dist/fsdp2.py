@@ -1,7 +1,8 @@
 """FSDP2 all-gather hooks for every quantized tensor: the all-gather moves quantized bytes, not bf16.
 
 FSDP2 looks for two methods on a parameter's local shard (``hasattr(local, "fsdp_pre_all_gather")``:
-when ``fully_shard`` wraps it, again at lazy init, and at every all-gather). Importing this module attaches ONE implementation of both to
+when ``fully_shard`` wraps it, again at lazy init, and at every all-gather). Importing this module
+attaches ONE implementation of both to
 :class:`~tutorial_lib.quant.tensor.QuantizedTensor`, written against the storage protocol
 only (``raw_buffers()``, ``meta()``, ``from_buffers()``), so every format gets them::
 
