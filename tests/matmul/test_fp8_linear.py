@@ -40,7 +40,6 @@ from tutorial_lib.models import BlockMLP, QLinear, counter_uniform
 from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer, FP8BlockwiseTensor
 from tutorial_lib.quant.fallback import FALLBACKS, reset_counters, strict_dispatch
 from tutorial_lib.quant.float8 import CurrentScaling, Float8Tensor
-from tutorial_lib.quant.formats import decode
 from tutorial_lib.quant.registry import make_quantizer
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -136,7 +135,7 @@ def _operand(t: torch.Tensor, quantizer, fmt: str = "e4m3"):
     bufs = quantizer.quantize(t.contiguous()).raw_buffers()
     data, s = bufs["data"], bufs["scale_inv"]
     if s.numel() == 1:  # per-tensor
-        return data, s, (decode(data, fmt).double() * s.double()).abs()
+        return data, s, R.dequantize_per_tensor_f64(data, s, fmt).abs()
     block = quantizer.block
     return data, s, R.dequantize_blockwise_f64(data, s, block).abs()
 

@@ -47,7 +47,7 @@ from tutorial_lib.matmul.scaled_mm import (
 )
 from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer, FP8Blockwise1x128Tensor, FP8BlockwiseTensor
 from tutorial_lib.quant.fallback import FALLBACKS, reset_counters, strict_dispatch
-from tutorial_lib.quant.float8 import FP8_DTYPES, CurrentScaling, Float8Tensor
+from tutorial_lib.quant.float8 import CurrentScaling, Float8Tensor
 from tutorial_lib.quant.registry import make_quantizer
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -87,7 +87,7 @@ def _spread(shape, seed: int, device: str) -> torch.Tensor:
 
 def _abs_f64(data: torch.Tensor, scale_inv: torch.Tensor, fmt: str) -> torch.Tensor:
     """|dequantized values| in float64, per-tensor or row-wise scale (magnitudes for the bound only)."""
-    return (data.view(FP8_DTYPES[fmt]).double() * scale_inv.double()).abs()
+    return R.dequantize_per_tensor_f64(data, scale_inv, fmt).abs()
 
 
 def _assert_within(out: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> None:

@@ -55,7 +55,8 @@ from tutorial_lib.quant.formats import decode
 
 __all__ = [
     "SCALE_BLOCK", "FP32_UNIT_ROUNDOFF", "FP8_TENSOR_CORE_UNIT_ROUNDOFF", "blockwise_fp8_gemm_reference",
-    "per_tensor_fp8_gemm_reference", "dequantize_blockwise_f64", "check_blockwise_gemm_operands",
+    "per_tensor_fp8_gemm_reference", "dequantize_blockwise_f64", "dequantize_per_tensor_f64",
+    "check_blockwise_gemm_operands",
     "gemm_error_bound",
 ]
 
@@ -99,6 +100,16 @@ def dequantize_blockwise_f64(data: torch.Tensor, scale_inv: torch.Tensor, block)
     if rows > 1:
         s = s.repeat_interleave(rows, dim=0)
     return _decode_f64(data, "e4m3") * s
+
+
+def dequantize_per_tensor_f64(data: torch.Tensor, scale_inv, fmt: str = "e4m3") -> torch.Tensor:
+    """``fp8(data) * scale_inv`` in float64 (exact), with one scale or one per row ([rows] or [rows, 1]).
+
+    The per-tensor and row-wise counterpart of :func:`dequantize_blockwise_f64`. Example::
+
+        b_abs = dequantize_per_tensor_f64(w_codes, w_scale_inv, "e4m3").abs()
+    """
+    return _decode_f64(data, fmt) * _per_tensor_scale("scale_inv", scale_inv, data.shape[0]).to(data.device)
 
 
 # --------------------------------------------------------------------------- references
