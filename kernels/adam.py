@@ -47,6 +47,9 @@ step reads this step's learning rate instead of the one it was captured with.
 Example::
 
     from tutorial_kernels.adam import fused_adamw_
+    params = [torch.randn(1000), torch.randn(64, 32)]         # fp32 parameters, updated in place
+    grads = [torch.randn_like(p) for p in params]
+    exp_avgs, exp_avg_sqs = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
     fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, steps=[1] * len(params),
                  lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 """

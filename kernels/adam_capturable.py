@@ -24,7 +24,10 @@ multiply-adds switched off), then rounded to fp32 once -- exactly what the host 
 Example::
 
     from tutorial_kernels.adam_capturable import bias_correction_table, launch_step_scalars
-    powers = bias_correction_table(0.9, 0.999, device)
+    steps, active = torch.zeros(3), torch.tensor([1.0, 1.0, 0.0])   # 3 parameters, the last without a grad
+    group = torch.tensor([1e-3, 0.01], dtype=torch.float64)          # lr, weight_decay
+    hyper = torch.empty(3, 3)                         # fp32 [3, n]: step_size, bias_correction2_sqrt, decay
+    powers = bias_correction_table(0.9, 0.999, steps.device)
     launch_step_scalars(steps, active, group, powers, hyper)    # then launch_adamw(tables, hyper, ...)
 """
 

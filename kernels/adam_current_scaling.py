@@ -23,11 +23,16 @@ empty FSDP2 shard) still gets the shared scale_inv, from its one chunk.
 
 Example::
 
-    from tutorial_kernels.adam import launch_adamw
+    from tutorial_kernels.adam import fused_adamw_
     from tutorial_kernels.adam_current_scaling import launch_current_scaling_cast
-    launch_adamw(tables, hyper, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)  # out "fp8_current"
-    torch.distributed.all_reduce(tables.amax_bits, op=torch.distributed.ReduceOp.MAX)   # optional
-    launch_current_scaling_cast(tables, amax_eps=1e-12, pow2_scales=False)
+    masters = [torch.randn(1000), torch.randn(64, 32)]       # fp32 masters, their FP8 bytes and scale_invs:
+    fp8, scale_invs = [torch.empty(m.shape, dtype=torch.uint8) for m in masters], [torch.ones(1) for _ in masters]
+    tables = fused_adamw_(masters, [torch.randn_like(m) for m in masters], [torch.zeros_like(m) for m in masters],
+                          [torch.zeros_like(m) for m in masters], steps=[1, 1], lr=1e-3, outs=fp8,
+                          out_kind="fp8_current", scale_invs=scale_invs, fp8_format="e4m3")  # launch_adamw inside
+    if torch.distributed.is_initialized():                    # under FSDP2: one MAX over every rank's shard
+        torch.distributed.all_reduce(tables.amax_bits, op=torch.distributed.ReduceOp.MAX)
+    launch_current_scaling_cast(tables, amax_eps=1e-12, pow2_scales=False)   # fp8 bytes and scale_invs written
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ write address 0 (a segfault on the CPU interpreter, an illegal access on a GPU).
 Example::
 
     from tutorial_kernels.adam_tables import build_tables, set_grads
+    params = [torch.randn(1000), torch.randn(64, 32)]
+    grads = [torch.randn_like(p) for p in params]
+    exp_avgs, exp_avg_sqs = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
     tables = build_tables(params, exp_avgs, exp_avg_sqs, grad_dtype=torch.float32)
     set_grads(tables, torch.tensor([g.data_ptr() for g in grads]))
     tables.table, tables.chunks        # what tutorial_kernels.adam.launch_adamw hands the kernel

@@ -34,6 +34,7 @@ the hardware's ``cvt.rn.satfinite`` compiled).
 Example::
 
     from tutorial_kernels.blockwise_quant import quantize_1x128, quantize_1x128_with_transpose, quantize_128x128
+    x_bf16, w_fp32 = torch.randn(128, 256, dtype=torch.bfloat16), torch.randn(384, 256)   # [M, K], [N, K]
     data, scale_inv = quantize_1x128(x_bf16)                  # uint8 [M, K], fp32 [M, K/128]
     data_t, scale_inv_t = quantize_1x128(x_bf16.t(), pow2_scales=True)   # x.T's blocks, no copy of x
     w_data, w_scale_inv = quantize_128x128(w_fp32)            # uint8 [N, K], fp32 [N/128, K/128]

@@ -8,6 +8,7 @@ torch and triton only, and ``tutorial_lib`` imports it, never the reverse.
 Example::
 
     from tutorial_kernels.fp8_args import CastResult, check_input, check_scale_arg
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
     check_input(x, "e4m3")                 # TypeError for int/fp8 input, ValueError for "e2m1"
     s = check_scale_arg(16.0, x.device)    # a 0-d fp32 tensor; ValueError for 0, inf, NaN
 """

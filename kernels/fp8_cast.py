@@ -46,9 +46,11 @@ on an int32 buffer -- deterministic and NaN-propagating (a float max would drop 
 Example::
 
     import tutorial_kernels.fp8_cast as k
+    x, x2d = torch.randn(4096, dtype=torch.bfloat16), torch.randn(64, 128, dtype=torch.bfloat16)
     res = k.cast_current_scaling(x, "e4m3")                  # CastResult(data, scale, scale_inv, amax)
+    scale = res.scale                                        # delayed scaling: a scale known before the cast
     res = k.cast_delayed_scaling(x, scale, "e4m3")           # one pass, records res.amax
-    res, data_t = k.cast_current_scaling_with_transpose(x2d, "e5m2")   # + x2d.t()'s codes, contiguous
+    res2, data_t = k.cast_current_scaling_with_transpose(x2d, "e5m2")   # + x2d.t()'s codes, contiguous
     y = k.dequantize_per_tensor(res.data, res.scale_inv, "e4m3", torch.bfloat16)
 """
 

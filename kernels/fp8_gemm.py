@@ -82,6 +82,7 @@ Example::
 
     from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
     from tutorial_kernels.fp8_gemm import blockwise_fp8_gemm
+    x, w, dy = torch.randn(128, 256), torch.randn(128, 256), torch.randn(128, 128)   # M, K, N = 128, 256, 128
     a, sa = quantize_fp8_blockwise(x, (1, 128))          # x [M, K] activations
     b, sb = quantize_fp8_blockwise(w, (128, 128))        # w [N, K], the nn.Linear weight
     y = blockwise_fp8_gemm(a, sa, b, sb)                 # bf16 [M, N] ~= x @ w.T
@@ -303,7 +304,11 @@ def check_blockwise_gemm_operands(a_data, a_scale_inv, b_data, b_scale_inv, b_bl
 
     Example::
 
-        M, N, K = check_blockwise_gemm_operands(a, sa, b, sb)
+        from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
+        from tutorial_kernels.fp8_gemm import check_blockwise_gemm_operands
+        a, sa = quantize_fp8_blockwise(torch.randn(64, 256), (1, 128))       # activations, 1x128 blocks
+        b, sb = quantize_fp8_blockwise(torch.randn(128, 256), (128, 128))    # weight, 128x128 tiles
+        M, N, K = check_blockwise_gemm_operands(a, sa, b, sb)                 # 64, 128, 256
     """
     b_block = tuple(b_block)
     if b_block not in B_BLOCKS:
@@ -389,7 +394,11 @@ def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: 
 
     Example::
 
-        y = blockwise_fp8_gemm(a, sa, b, sb)                                  # bf16, autotuned
+        from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
+        from tutorial_kernels.fp8_gemm import blockwise_fp8_gemm
+        a, sa = quantize_fp8_blockwise(torch.randn(128, 256), (1, 128))      # [M, K] activations, 1x128 blocks
+        b, sb = quantize_fp8_blockwise(torch.randn(256, 256), (128, 128))    # [N, K] weight, 128x128 tiles
+        y = blockwise_fp8_gemm(a, sa, b, sb)                                  # bf16 [M, N], autotuned on a GPU
         y = blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32,
                                config=dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, USE_TMA=True, PERSISTENT=True,
                                            OCCUPANCY=1, WS=True, num_warps=4, num_stages=2))

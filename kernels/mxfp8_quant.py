@@ -24,6 +24,7 @@ byte-exact too.
 Example::
 
     from tutorial_kernels.mxfp8_quant import mxfp8_quantize, mxfp8_dequantize
+    x_bf16 = torch.randn(64, 256, dtype=torch.bfloat16)
     data, scale = mxfp8_quantize(x_bf16)                 # uint8 [..., K], uint8 [..., K/32]
     x_hat = mxfp8_dequantize(data, scale, torch.bfloat16)
 """

@@ -20,7 +20,9 @@ the last two dims, whose rows are a multiple of 16, so no tile straddles them).
 
 Example::
 
+    from tutorial_lib.quant.nvfp4 import quantize_nvfp4
     from tutorial_kernels.nvfp4_dequantize import nvfp4_dequantize
+    data, scale, global_scale_inv = quantize_nvfp4(torch.randn(64, 128), block=(16, 16))  # [64, 64], [4, 8], []
     w = nvfp4_dequantize(data, scale, global_scale_inv, block=(16, 16), dtype=torch.bfloat16)
 """
 

@@ -40,8 +40,10 @@ training script: from :mod:`tutorial_lib.dist.checkpoint_checks` :func:`nonfinit
 Example::
 
     from tutorial_lib.dist.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
-    with checkpoint_dir() as path:                  # in the caller; pass `path` to the ranks
-        save_checkpoint({"model": model.state_dict()}, path)            # every rank
+    model, fresh = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+    state = {"model": model.state_dict()}
+    with checkpoint_dir() as path, checkpoint_dir() as path2:        # in the caller; pass the paths to the ranks
+        save_checkpoint(state, path)                                   # every rank
         save_checkpoint(state, path2, mode="async").result()           # async: wait before reuse
         load_checkpoint({"model": fresh.state_dict()}, path)           # raises on NaN/Inf, names keys
 """

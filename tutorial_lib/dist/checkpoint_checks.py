@@ -30,6 +30,9 @@ collective).
 Example::
 
     from tutorial_lib.dist.checkpoint_checks import mismatched_keys, nonfinite_keys
+    model = torch.nn.Linear(16, 16)
+    live_state = model.state_dict()
+    loaded_state = {k: v.clone() for k, v in live_state.items()}   # e.g. what load_checkpoint filled in
     assert nonfinite_keys(model.state_dict()) == {}
     assert mismatched_keys(loaded_state, live_state) == []
 """

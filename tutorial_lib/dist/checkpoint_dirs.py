@@ -21,8 +21,9 @@ Example::
 
     from tutorial_lib.dist.checkpoint_dirs import checkpoint_dir
     from tutorial_lib.dist.launcher import launch
+    from tutorial_lib.lessons.dcp_pitfalls import checkpoint_run as train_and_save   # a rank function (lesson 10)
     with checkpoint_dir() as root:
-        launch(train_and_save, world_size=2, args=(root,))
+        launch(train_and_save, world_size=2, device="cpu", args=(root,))
     # root is gone here, whether train_and_save succeeded or raised
 """
 

@@ -20,8 +20,13 @@ gather, so the loop runs on all ranks and only rank 0 writes.
 Example::
 
     from tutorial_lib.dist.export import export_fp32_safetensors, exported_values
+    from tutorial_lib.models import BlockMLP
+    from tutorial_lib.optim.fused_adam import FusedAdam
+    model, path = BlockMLP(64, 256, 2, dtype=torch.bfloat16), "model.safetensors"
+    opt = FusedAdam(model.parameters(), lr=1e-3, master_weights=True)
+    opt.init_state()                                                 # or a first step(): creates the fp32 masters
     sources = export_fp32_safetensors(model, path, optimizer=opt)   # every rank; rank 0 writes
-    sources["blocks.0.fc1.weight"]                                   # "master" | "dequantized" | "fp32"
+    sources["blocks.0.fc1.weight"]                                   # "master" (here) | "dequantized" | "fp32"
 """
 
 from __future__ import annotations

@@ -26,11 +26,16 @@ it into a checkpoint, both built on :func:`encode_quantizer_state`:
 
 Example::
 
-    from tutorial_lib.dist.checkpoint import load_checkpoint, save_checkpoint
+    from tutorial_lib.dist.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
     from tutorial_lib.dist.extra_state import QuantizerStates
+    from tutorial_lib.dist.quantized_init import quantize_params_
+    from tutorial_lib.models import BlockMLP
+    from tutorial_lib.quant.registry import recipe
+    model, fresh = (quantize_params_(BlockMLP(64, 256, 2, seed=s), recipe("fp8_delayed")) for s in (0, 1))
     state = {"model": model.state_dict(), "quantizers": QuantizerStates(model)}
-    save_checkpoint(state, path)                  # QuantizerStates.state_dict() is called by DCP
-    load_checkpoint({"model": fresh.state_dict(), "quantizers": QuantizerStates(fresh)}, path)
+    with checkpoint_dir() as path:
+        save_checkpoint(state, path)                  # QuantizerStates.state_dict() is called by DCP
+        load_checkpoint({"model": fresh.state_dict(), "quantizers": QuantizerStates(fresh)}, path)
 """
 
 from __future__ import annotations

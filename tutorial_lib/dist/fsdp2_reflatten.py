@@ -19,12 +19,18 @@ scope stays strict: nothing is allowed that was not allowed at ``fully_shard``.
 
 Example::
 
+    from torch.distributed.fsdp import fully_shard
     from tutorial_lib.dist.fsdp2_reflatten import follow_first_flatten
+    from tutorial_lib.dist.mesh import world_mesh
+    from tutorial_lib.dist.quantized_init import quantize_params_
+    from tutorial_lib.quant.registry import recipe
     from tutorial_lib.quant.view_policy import allow_flat_views
+    mesh, dev = world_mesh()        # inside a launched rank
+    layer = quantize_params_(torch.nn.Linear(64, 64, device=dev), recipe("mxfp8"))
     follow_first_flatten()          # idempotent; importing tutorial_lib.dist.fsdp2 already did it
     with allow_flat_views():
-        fully_shard(layer)          # first flatten: RawBytes, and recorded
-    layer.load_state_dict(sd)       # re-flatten inside the same scope: RawBytes again, no error
+        fully_shard(layer, mesh=mesh)               # first flatten: RawBytes, and recorded
+    layer.load_state_dict(layer.state_dict())       # re-flatten inside the same scope: RawBytes again, no error
 """
 
 from __future__ import annotations

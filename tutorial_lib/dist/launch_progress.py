@@ -16,14 +16,20 @@ its ranks:
 
 Example::
 
+    import tempfile
     from tutorial_lib.dist.launch_progress import LogTail, RanksFinished
 
-    finished = RanksFinished([f"{tmp}/rank{r}.result" for r in range(2)], desc="allreduce_demo")
-    tail = LogTail(tmp, world_size=2, echo=True, write=finished.note)
-    while not done:          # the launcher's wait loop
-        tail.pump()          # new "[rank r] ..." lines
-        finished.poll()      # the bar follows the result files; the elapsed time keeps ticking
-    finished.close()         # on success at world_size/world_size; on failure where it stopped
+    with tempfile.TemporaryDirectory() as tmp:          # the launcher's folder of rank logs and results
+        for r in range(2):                              # here two ranks already ran: one line each, then a result
+            with open(f"{tmp}/rank{r}.log", "w") as log, open(f"{tmp}/rank{r}.result", "w"):
+                print(f"hello from rank {r}", file=log)
+        finished = RanksFinished([f"{tmp}/rank{r}.result" for r in range(2)], desc="allreduce_demo")
+        tail = LogTail(tmp, world_size=2, echo=True, write=finished.note)
+        done = False
+        while not done:          # the launcher's wait loop
+            tail.pump()          # new "[rank r] ..." lines: "[rank 0] hello from rank 0", ...
+            done = finished.poll() == 2   # the bar follows the result files; the elapsed time keeps ticking
+        finished.close()         # on success at world_size/world_size; on failure where it stopped
 """
 
 from __future__ import annotations

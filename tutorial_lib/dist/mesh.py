@@ -13,18 +13,23 @@ the order ``(mesh, device)``::
 ``deterministic=True`` also makes CUDA kernels deterministic (cuBLAS workspace and
 ``torch.use_deterministic_algorithms``): runs that compare bits across processes need it.
 
-Example::
+Example (a rank function lives in an importable module: spawned ranks import it by name, so one
+defined in a notebook cell or in a script run as ``__main__`` is refused by ``launch``)::
 
+    # my_ranks.py, next to the notebook
+    import torch
     from torch.distributed.tensor import DTensor, Shard
-    from tutorial_lib.dist.launcher import launch
     from tutorial_lib.dist.mesh import world_mesh
 
-    def my_rank_fn():
+    def gathered_shape():
         mesh, dev = world_mesh()
         x = torch.randn(4, 8, device=dev)
         return DTensor.from_local(x, mesh, [Shard(0)]).full_tensor().shape
 
-    launch(my_rank_fn, world_size=2, device="cpu")
+    # the notebook (or a script, under `if __name__ == "__main__":`)
+    from my_ranks import gathered_shape
+    from tutorial_lib.dist.launcher import launch
+    launch(gathered_shape, world_size=2, device="cpu")    # [torch.Size([8, 8]), torch.Size([8, 8])]
 """
 
 from __future__ import annotations

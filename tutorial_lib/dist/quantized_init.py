@@ -40,6 +40,7 @@ Example (inside a rank started by :func:`tutorial_lib.dist.launcher.launch`)::
     peak.bytes                                      # peak bytes allocated during init on this rank
     masters = MasterWeights(model)                  # fp32 masters from the preserved init
     opt = torch.optim.AdamW(masters.parameters(), lr=1e-3)
+    loss = model(torch.randn(4, 64, device=dev)).square().mean()
     loss.backward(); masters.step(opt)              # grads -> masters, step, requantize the FP8 weights
     ref = quantize_params_(BlockMLP(64, 256, 2, seed=0), recipe("fp8"))   # the single-process twin
 """

@@ -77,8 +77,11 @@ def rank_placement(device: str = "auto", world_size: int = 2, quick: bool = True
 
     Example::
 
-        ranks = rank_placement("cuda", world_size=2)   # on a 1-GPU machine: device cpu, quick True
-        launch(fn, world_size=ranks.world_size, device=ranks.device)
+        from tutorial_lib.dist.launcher import launch
+        from tutorial_lib.dist.runtime import rank_placement
+        from tutorial_lib.lessons.start_here import allreduce_demo   # a rank function
+        ranks = rank_placement("auto", world_size=2)   # on a 1-GPU machine (or none): device cpu, quick True
+        launch(allreduce_demo, world_size=ranks.world_size, device=ranks.device)
     """
     if rank_device not in RANK_DEVICE_CHOICES:
         raise ValueError(f"rank_device must be one of {RANK_DEVICE_CHOICES}, got {rank_device!r}")

@@ -15,12 +15,18 @@ requantizes quantized weights and advances delayed-scaling histories.
 
 Example::
 
-    from tutorial_lib.dist.checkpoint import load_checkpoint, save_checkpoint
+    from tutorial_lib.dist.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
+    from tutorial_lib.dist.quantized_init import quantize_params_
     from tutorial_lib.dist.training_state import TrainingState
+    from tutorial_lib.optim.fused_adam import FusedAdam
+    from tutorial_lib.quant.registry import recipe
 
-    save_checkpoint({"app": TrainingState(model, opt)}, path)        # every rank
-    # later, in a new job: the same model and optimizer, freshly built
-    load_checkpoint({"app": TrainingState(model, opt)}, path)        # model, optimizer and quantizers restored
+    model = quantize_params_(torch.nn.Linear(64, 64), recipe("fp8_delayed"))
+    opt = FusedAdam(model.parameters(), lr=1e-3, master_weights=True)
+    with checkpoint_dir() as path:
+        save_checkpoint({"app": TrainingState(model, opt)}, path)        # every rank
+        # later, in a new job: the same model and optimizer, freshly built
+        load_checkpoint({"app": TrainingState(model, opt)}, path)        # model, optimizer and quantizers restored
 """
 
 from __future__ import annotations

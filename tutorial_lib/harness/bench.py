@@ -12,10 +12,14 @@ ranges over rounds and over every recorded run of a case, never one number alone
 
 Example::
 
+    from tutorial_kernels.fp8_cast import cast_current_scaling as my_kernel        # ours: a Triton cast
     from tutorial_lib.harness.bench import alternating_case, copy_bandwidth_GBps, write_results
+    from tutorial_lib.quant.per_tensor import cast_current_scaling as torch_cast   # a peer: the same cast in torch
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(1 << 12, dtype=torch.bfloat16, device=device)                 # bf16 in, FP8 out: 3 bytes/element
     copy = copy_bandwidth_GBps(device)
-    c = alternating_case("fp8 cast 1G", lambda: my_kernel(x), {"torch.compile": lambda: compiled(x)},
-                         nbytes=3 * x.numel(), copy_GBps=copy)
+    c = alternating_case("fp8 cast 4K", lambda: my_kernel(x), {"torch": lambda: torch_cast(x)},
+                         nbytes=3 * x.numel(), copy_GBps=copy, rounds=3)      # 9 rounds by default
     write_results("benchmarks/results", "fp8_cast", [c], copy)
 
 One JSON file per run::

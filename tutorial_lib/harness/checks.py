@@ -8,6 +8,9 @@ lesson cannot pass by skipping its checks.
 Example::
 
     from tutorial_lib.harness.checks import check, check_close
+    loss_bf16, loss_fp8 = 2.71, 2.74                # two runs' final losses
+    ref = torch.rand(1024) * 100 + 1                # within E4M3's normal range (no subnormals, no saturation)
+    ours = ref.to(torch.float8_e4m3fn).float()
     check(loss_fp8 < 1.1 * loss_bf16, "FP8 loss within 10% of bf16")
     check_close(ours, ref, rtol=2**-4, atol=0, what="E4M3 round trip")
 """

@@ -20,6 +20,8 @@ right after each check it runs the wrong answer through the same check and requi
 Example (a check cell)::
 
     from tutorial_lib.harness.exercises import check_answer
+    prediction = 3                  # the exercise cell: the reader's answer (one gather per FSDP group)
+    measured_gathers = 2 + 1        # what the lesson counted: 2 blocks + the root, kept gathered for backward
     check_answer(prediction, measured_gathers, "all-gathers per step with reshard_after_forward=False")
 """
 

@@ -29,8 +29,10 @@ Example::
 
     import re, torch
     from torch.profiler import ProfilerActivity, profile, record_function
+    from tutorial_kernels.fp8_cast import cast_current_scaling as my_triton_cast
     from tutorial_lib.harness.kernel_ranges import exact_name, kernel_time_by_range
 
+    x = torch.randn(1 << 20, dtype=torch.bfloat16, device="cuda")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function("cast"):
             y = my_triton_cast(x)

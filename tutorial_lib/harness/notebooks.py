@@ -107,6 +107,7 @@ def parse_parameter(text: str) -> tuple[str, object]:
 
     Example::
 
+        from tutorial_lib.harness.notebooks import parse_parameter
         parse_parameter("steps=100")      # ("steps", 100)
         parse_parameter("rank_device=cpu")   # ("rank_device", "cpu")
     """

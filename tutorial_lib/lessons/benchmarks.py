@@ -20,8 +20,8 @@ Example::
     from tutorial_lib.dist.launcher import launch
     from tutorial_lib.lessons.benchmarks import amax_reduce_compare, recorded_cases
     rows = recorded_cases("benchmarks/results")                  # every recorded case of every run
-    r = launch(amax_reduce_compare, world_size=2, device="cpu", args=(120,))[0]
-    r.collectives_batched, r.collectives_per_parameter, r.identical   # 1, 120, True
+    r = launch(amax_reduce_compare, world_size=2, device="cpu", args=(24,), kwargs=dict(steps=1, rounds=1))[0]
+    r.collectives_batched, r.collectives_per_parameter, r.identical   # 1, 24, True
 """
 
 from __future__ import annotations

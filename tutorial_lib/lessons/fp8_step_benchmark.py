@@ -48,11 +48,12 @@ Example::
     from tutorial_lib.lessons.fp8_step_benchmark import fsdp2_step_benchmark
 
     r = launch(fsdp2_step_benchmark, world_size=2, device="cpu",
-               kwargs=dict(dim=256, hidden=256, n_blocks=2, tokens=128, reps=2))[0]
+               kwargs=dict(dim=256, hidden=256, n_blocks=2, tokens=128, reps=2, profile_steps=1,
+                           variants=("bf16", "hybrid", "torchao_tensorwise")))[0]
     bf16, hybrid = r.variant("bf16"), r.variant("hybrid")
     bf16.step_ms / hybrid.step_ms            # speed of the FP8 step relative to bf16
     hybrid.phases.quantize_ms, hybrid.phases.optimizer_ms
-    r.skipped                                # {"torchao_tensorwise": "torchao not installed: peer skipped", ...}
+    r.skipped                                # {"torchao_tensorwise": "torchao not installed: peer skipped"}
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ Example::
 
     from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
     from tutorial_lib.matmul.reference import blockwise_fp8_gemm_reference
+    x, w = torch.randn(64, 256), torch.randn(128, 256)
     a, sa = quantize_fp8_blockwise(x, (1, 128))           # activations [M, K]
     b, sb = quantize_fp8_blockwise(w, (128, 128))         # weight [N, K], like nn.Linear
     y = blockwise_fp8_gemm_reference(a, sa, b, sb)        # fp32 [M, N], computed in float64

@@ -18,6 +18,10 @@ order of the fp32 additions.
 Example::
 
     from tutorial_lib.matmul.emulation import scaled_emulated
+    from tutorial_lib.quant.per_tensor import cast_current_scaling
+    a_codes, _, sa, _ = cast_current_scaling(torch.randn(32, 256))    # (data, scale, scale_inv, amax): A [M, K]
+    b_codes, _, sb, _ = cast_current_scaling(torch.randn(256, 64))    # B [K, N]
+    b = torch.randn(64, dtype=torch.bfloat16)
     out = scaled_emulated(a_codes, "e4m3", b_codes, "e4m3", sa, sb, torch.bfloat16, bias=b)   # b [N] bf16
 """
 

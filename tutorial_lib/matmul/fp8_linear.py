@@ -58,10 +58,13 @@ only while a ``torch.profiler`` runs. The results are those of the public checke
 Example::
 
     from tutorial_lib.matmul.fp8_linear import Fp8Linear, Fp8Recipe, fp8_linear, swap_linears
+    from tutorial_lib.quant.float8 import CurrentScaling
     layer = Fp8Linear(256, 512, recipe="hybrid")              # an nn.Linear: same parameters, FP8 GEMMs
     y = layer(torch.randn(64, 256))
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
     swap_linears(model, recipe=Fp8Recipe("blockwise"))          # every nn.Linear / QLinear, before fully_shard
-    y = fp8_linear(x, w8, bias, Fp8Recipe("hybrid", save_fp8_input=False))   # functional form
+    x, w8, bias = torch.randn(64, 256), CurrentScaling("e4m3").quantize(torch.randn(512, 256)), torch.randn(512)
+    y = fp8_linear(x, w8, bias, Fp8Recipe("hybrid", save_fp8_input=False))   # functional form, E4M3 weight
 """
 
 from __future__ import annotations

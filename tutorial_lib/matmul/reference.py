@@ -39,6 +39,11 @@ Example::
 
     from tutorial_lib.matmul.reference import (blockwise_fp8_gemm_reference, dequantize_blockwise_f64,
                                                gemm_error_bound)
+    from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
+    from tutorial_kernels.fp8_gemm import blockwise_fp8_gemm
+    a, sa = quantize_fp8_blockwise(torch.randn(64, 256), (1, 128))        # [M, K], 1x128 blocks
+    b, sb = quantize_fp8_blockwise(torch.randn(128, 256), (128, 128))     # [N, K], 128x128 tiles
+    out = blockwise_fp8_gemm(a, sa, b, sb)                                # the GEMM under test: bf16 [M, N]
     ref = blockwise_fp8_gemm_reference(a, sa, b, sb, out_dtype=torch.float64)
     bound = gemm_error_bound(dequantize_blockwise_f64(a, sa, (1, 128)).abs(),
                              dequantize_blockwise_f64(b, sb, (128, 128)).abs(), K=a.shape[1],
@@ -93,7 +98,10 @@ def dequantize_blockwise_f64(data: torch.Tensor, scale_inv: torch.Tensor, block)
 
     What :func:`gemm_error_bound` wants (take ``.abs()``). Example::
 
-        a_abs = dequantize_blockwise_f64(a, sa, (1, 128)).abs()
+        from tutorial_lib.matmul.reference import dequantize_blockwise_f64
+        from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
+        a, sa = quantize_fp8_blockwise(torch.randn(4, 256), (1, 128))
+        a_abs = dequantize_blockwise_f64(a, sa, (1, 128)).abs()          # float64 [4, 256]
     """
     rows, cols = block
     s = scale_inv.to(torch.float64).repeat_interleave(cols, dim=1)
@@ -107,7 +115,10 @@ def dequantize_per_tensor_f64(data: torch.Tensor, scale_inv, fmt: str = "e4m3") 
 
     The per-tensor and row-wise counterpart of :func:`dequantize_blockwise_f64`. Example::
 
-        b_abs = dequantize_per_tensor_f64(w_codes, w_scale_inv, "e4m3").abs()
+        from tutorial_lib.matmul.reference import dequantize_per_tensor_f64
+        from tutorial_lib.quant.per_tensor import cast_current_scaling
+        w_codes, _, w_scale_inv, _ = cast_current_scaling(torch.randn(32, 64), "e4m3")  # data, scale, scale_inv, amax
+        b_abs = dequantize_per_tensor_f64(w_codes, w_scale_inv, "e4m3").abs()          # float64 [32, 64]
     """
     return _decode_f64(data, fmt) * _per_tensor_scale("scale_inv", scale_inv, data.shape[0]).to(data.device)
 
@@ -128,6 +139,10 @@ def blockwise_fp8_gemm_reference(a_data, a_scale_inv, b_data, b_scale_inv, out_d
 
     Example::
 
+        from tutorial_lib.matmul.reference import blockwise_fp8_gemm_reference
+        from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
+        a, sa = quantize_fp8_blockwise(torch.randn(64, 256), (1, 128))        # [M, K], 1x128 blocks
+        b, sb = quantize_fp8_blockwise(torch.randn(128, 256), (128, 128))     # [N, K], 128x128 tiles
         ref = blockwise_fp8_gemm_reference(a, sa, b, sb, out_dtype=torch.float64)   # [M, N]
     """
     M, N, K = check_blockwise_gemm_operands(a_data, a_scale_inv, b_data, b_scale_inv, b_block)
@@ -164,8 +179,14 @@ def per_tensor_fp8_gemm_reference(a_data, a_scale_inv, b_data, b_scale_inv, fmt_
 
     Example::
 
+        from tutorial_lib.matmul.reference import per_tensor_fp8_gemm_reference
+        from tutorial_lib.quant.per_tensor import cast_current_scaling
+        a, _, sa, _ = cast_current_scaling(torch.randn(16, 64))                # x [M, K]: data, scale, scale_inv, amax
+        b, _, sb, _ = cast_current_scaling(torch.randn(32, 64))                # W [N, K]
         ref = per_tensor_fp8_gemm_reference(a, sa, b, sb, out_dtype=torch.float64)
-        ref = per_tensor_fp8_gemm_reference(g, sg, w, sw, fmt_a="e5m2")        # a gradient GEMM
+        g, _, sg, _ = cast_current_scaling(torch.randn(16, 32), "e5m2")        # dy [M, N]
+        w, sw = b.t().contiguous(), sb                                          # W.T [K, N], same scale
+        ref = per_tensor_fp8_gemm_reference(g, sg, w, sw, fmt_a="e5m2")        # a gradient GEMM: dx = dy @ W
     """
     _check_codes("a_data", a_data)
     _check_codes("b_data", b_data)
@@ -209,7 +230,10 @@ def gemm_error_bound(a_abs: torch.Tensor, b_abs: torch.Tensor, K: int, *, block_
 
     Overflow of ``out_dtype`` is not covered. Example::
 
-        bound = gemm_error_bound(a_abs, b_abs, K, block_k=128, out_dtype=torch.bfloat16, reference=ref)
+        from tutorial_lib.matmul.reference import gemm_error_bound
+        a, b = torch.randn(16, 256, dtype=torch.float64), torch.randn(32, 256, dtype=torch.float64)  # [M, K], [N, K]
+        a_abs, b_abs, K, ref = a.abs(), b.abs(), 256, a @ b.T               # magnitudes, and the exact product
+        bound = gemm_error_bound(a_abs, b_abs, K, block_k=128, out_dtype=torch.bfloat16, reference=ref)  # fp64 [M, N]
     """
     if a_abs.dim() != 2 or b_abs.dim() != 2 or a_abs.shape[1] != K or b_abs.shape[1] != K:
         raise ValueError(f"a_abs [M, K] and b_abs [N, K] must both have K = {K} columns, got "

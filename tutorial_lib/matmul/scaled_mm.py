@@ -52,13 +52,17 @@ the same GEMMs on raw codes and scales, with no wrapper tensor per operand and n
 
 Example::
 
-    from tutorial_lib.matmul.scaled_mm import blockwise_mm, fp8_mm, fp8_mm_rowwise, quantize_rowwise
+    from tutorial_lib.matmul.scaled_mm import FP8LayoutError, blockwise_mm, fp8_mm, fp8_mm_rowwise, quantize_rowwise
     from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer
     from tutorial_lib.quant.float8 import CurrentScaling
+    x, w = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(128, 256, dtype=torch.bfloat16)   # [M, K], [N, K]
     x8 = CurrentScaling("e4m3").quantize(x)                 # [M, K] Float8Tensor, row-major
     w8 = CurrentScaling("e4m3").quantize(w)                 # [N, K] Float8Tensor, row-major
     y = fp8_mm(x8, w8.t(), out_dtype=torch.bfloat16)        # x @ w.T: w.t() IS the column-major B
-    fp8_mm(x8, w8.t().contiguous(), out_dtype=torch.bfloat16)   # FP8LayoutError: B must be column-major
+    try:
+        fp8_mm(x8, w8.t().contiguous(), out_dtype=torch.bfloat16)
+    except FP8LayoutError as e:
+        print(e)                                            # B must be column-major, and how to get there
     xr, wr = quantize_rowwise(x), quantize_rowwise(w)       # per-row scales [M, 1] and [N, 1]
     y = fp8_mm_rowwise(xr.data, xr.scale_inv, wr.data.t(), wr.scale_inv.t(), out_dtype=torch.bfloat16)
     xb = BlockwiseFP8Quantizer((1, 128)).quantize(x)        # activations: 1x128 blocks

@@ -27,8 +27,15 @@ code that writes many current-scaled FP8 tensors at once can use.
 
 Example::
 
+    # inside a launched rank
+    from tutorial_lib.dist.mesh import world_mesh
     from tutorial_lib.optim.amax_reduce import requantize
-    n_collectives = requantize([(local_fp8_param, fp32_master), ...])    # FusedAdam(fuse_requantize=False)
+    from tutorial_lib.quant.float8 import CurrentScaling
+    mesh, dev = world_mesh()
+    q = CurrentScaling("e4m3", group=mesh.get_group())              # one scale over every rank's shard
+    masters = [torch.randn(256, device=dev) for _ in range(8)]      # fp32 masters of this rank's shards
+    local_fp8 = [q.quantize(m) for m in masters]
+    n_collectives = requantize(list(zip(local_fp8, masters)))      # 1, for all 8 (FusedAdam(fuse_requantize=False))
 """
 
 from __future__ import annotations

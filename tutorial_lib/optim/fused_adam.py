@@ -70,14 +70,22 @@ parameter). A replayed step reads the gradients where they were at capture: keep
 Example::
 
     from tutorial_lib.optim.fused_adam import FusedAdam
+    model = torch.nn.Linear(64, 64, dtype=torch.bfloat16)
     opt = FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01, master_weights=True)
+    loss = model(torch.randn(8, 64, dtype=torch.bfloat16)).float().square().mean()
     loss.backward(); opt.step(); opt.zero_grad()
 
-    opt = FusedAdam(params, lr=1e-3, capturable=True)        # on a GPU
-    loss.backward(); opt.step()                               # eager once: state, tables, compilation
+Example (CUDA graphs, on a GPU)::
+
+    from tutorial_lib.optim.fused_adam import FusedAdam
+    model = torch.nn.Linear(64, 64, device="cuda")
+    data = [torch.randn(8, 64, device="cuda") for _ in range(3)]
+    opt = FusedAdam(model.parameters(), lr=1e-3, capturable=True)
+    model(data[0]).square().mean().backward(); opt.step()    # eager once: state, tables, compilation
     opt.capture()                                             # record one step
     for batch in data:
-        loss.backward(); opt.step(); opt.zero_grad(set_to_none=False)   # step() replays the graph
+        opt.zero_grad(set_to_none=False)                      # grads stay where the graph reads them
+        model(batch).square().mean().backward(); opt.step()   # step() replays the graph
 """
 
 from __future__ import annotations

@@ -24,6 +24,9 @@ Example::
     from tutorial_lib.quant.base_ops import dispatch_table_summary, trace_dispatch
     from tutorial_lib.quant.conversion import nominal_dtype_casts
     from tutorial_lib.quant.float8 import Float8Tensor
+    q = Float8Tensor.from_high_precision(torch.randn(4, 8), scale=16.0, fmt="e4m3")
+    model = torch.nn.Linear(8, 4)
+    model.weight = torch.nn.Parameter(q)        # a quantized weight
     q.float()                                   # plain fp32 tensor == q.dequantize(torch.float32)
     with nominal_dtype_casts():
         model.to(torch.bfloat16)                # quantized params stay quantized, nominal dtype bf16

@@ -19,8 +19,9 @@ They are plain torch so that references, kernels' tests and lessons share one ve
 Example::
 
     from tutorial_lib.quant.block import check_block_shape, to_blocks, block_amax
+    x = torch.randn(4, 64, dtype=torch.bfloat16)          # K = 64: two 32-element blocks per row
     check_block_shape(x.shape, (32,), what="MX")          # clear error if not divisible
-    amax = block_amax(x, (32,))                           # [..., K/32] fp32
+    amax = block_amax(x, (32,))                           # [..., K/32] fp32: here [4, 2]
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ Bad and special input (documented results):
 Example::
 
     from tutorial_lib.quant.blockwise import quantize_fp8_blockwise, dequantize_fp8_blockwise
-    data, scale_inv = quantize_fp8_blockwise(w, block=(128, 128))
+    w = torch.randn(256, 512, dtype=torch.bfloat16)                   # [N, K], multiples of 128
+    data, scale_inv = quantize_fp8_blockwise(w, block=(128, 128))     # uint8 [256, 512], fp32 [2, 4]
     w_hat = dequantize_fp8_blockwise(data, scale_inv, block=(128, 128))
 """
 
@@ -204,6 +205,9 @@ class BlockwiseFP8Quantizer(BlockQuantizer):
 
     Example::
 
+        from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer
+        w = torch.randn(256, 512, dtype=torch.bfloat16)               # a weight
+        x = torch.randn(8, 512, dtype=torch.bfloat16)                 # an activation
         w_q = BlockwiseFP8Quantizer(block=(128, 128)).quantize(w)    # FP8Blockwise128x128Tensor
         x_q = BlockwiseFP8Quantizer(block=(1, 128), pow2_scales=True).quantize(x)
     """

@@ -16,10 +16,15 @@ handler returns :func:`disallowed_view`, which calls the handler installed with
 
 Example::
 
-    from tutorial_lib.quant.fallback import FALLBACKS, strict_dispatch
-    q + 1                       # FALLBACKS["aten.add.Tensor"] == 1, one warning
+    from tutorial_lib.quant.fallback import FALLBACKS, QuantizedFallbackError, strict_dispatch
+    from tutorial_lib.quant.float8 import Float8Tensor
+    q = Float8Tensor.from_high_precision(torch.randn(4, 8), scale=16.0, fmt="e4m3")
+    q + 1                       # FALLBACKS["aten.add.Tensor"] += 1, a warning the first time
     with strict_dispatch():
-        q + 1                   # QuantizedFallbackError: aten.add.Tensor has no quantized handler ...
+        try:
+            q + 1
+        except QuantizedFallbackError as e:
+            print(e)            # aten.add.Tensor has no quantized handler ...
 """
 
 from __future__ import annotations

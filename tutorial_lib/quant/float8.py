@@ -43,7 +43,8 @@ Example::
     CurrentScaling("e4m3", pow2_scales=True).quantize(x)   # scale from amax(x), rounded down to 2**k
     dq = DelayedScaling("e4m3", history_len=16, algo="max")
     for step in range(3):
-        q = dq.quantize(activation(step))                   # uses the scale from earlier steps
+        activation = torch.randn(4, 8, dtype=torch.bfloat16)   # this step's input
+        q = dq.quantize(activation)                         # uses the scale from earlier steps (1.0 at step 0)
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ Bad and special input (documented results):
 Example::
 
     from tutorial_lib.quant.mxfp8 import quantize_mxfp8, dequantize_mxfp8
-    data, scale = quantize_mxfp8(w)                       # rowwise 1x32
+    w = torch.randn(64, 128, dtype=torch.bfloat16)        # both dims multiples of 32
+    data, scale = quantize_mxfp8(w)                       # rowwise 1x32: uint8 [64, 128], uint8 [64, 4]
     w_hat = dequantize_mxfp8(data, scale, dtype=torch.bfloat16)
     data_t, scale_t = quantize_mxfp8(w, axis=-2)          # columnwise 32x1 (for the wgrad GEMM)
 """
@@ -163,7 +164,10 @@ class MXFP8Quantizer(BlockQuantizer):
 
     Example::
 
+        from tutorial_lib.quant.mxfp8 import MXFP8Quantizer
+        w = torch.randn(64, 128)                              # fp32 master weight
         q = MXFP8Quantizer().quantize(w.to(torch.bfloat16))   # MXFP8Tensor, dtype bf16
+        w_new = w - 1e-3 * torch.randn(64, 128)               # after an optimizer update
         MXFP8Quantizer().quantize_into(q, w_new)              # requantize in place (optimizer step)
     """
 

@@ -26,7 +26,8 @@ Bad and special input (documented results):
 Example::
 
     from tutorial_lib.quant.nvfp4 import quantize_nvfp4, dequantize_nvfp4
-    data, scale, gsi = quantize_nvfp4(w, block=(16, 16))   # uint8, uint8 (E4M3), fp32 []
+    w = torch.randn(64, 128, dtype=torch.bfloat16)         # both dims multiples of 16
+    data, scale, gsi = quantize_nvfp4(w, block=(16, 16))   # uint8 [64, 64], uint8 (E4M3) [4, 8], fp32 []
     w_hat = dequantize_nvfp4(data, scale, gsi, block=(16, 16))
 """
 
@@ -217,7 +218,12 @@ class NVFP4Quantizer(ScaleGroupMixin, BlockQuantizer):
 
     Example::
 
+        import torch.distributed as dist                  # inside a launched rank
+        from tutorial_lib.quant.nvfp4 import NVFP4Quantizer
+        w = torch.randn(64, 128)
         q = NVFP4Quantizer(block=(16, 16)).quantize(w)    # NVFP4Tensor16x16
+        shard = NVFP4Quantizer().quantize(w[:32])         # this rank's shard of a weight (1x16 blocks)
+        new_shard_values = torch.randn(32, 128)           # e.g. after an optimizer step
         NVFP4Quantizer(group=dist.group.WORLD).quantize_into(shard, new_shard_values)
     """
 

@@ -33,6 +33,7 @@ Documented results for special input (all tested):
 Example::
 
     from tutorial_lib.quant.per_tensor import cast_current_scaling, dequantize_per_tensor
+    w = torch.randn(64, 128, dtype=torch.bfloat16)
     res = cast_current_scaling(w, "e4m3")          # CastResult(data, scale, scale_inv, amax)
     w_hat = dequantize_per_tensor(res.data, res.scale_inv, "e4m3")
 """

@@ -18,6 +18,7 @@ that hands every parameter its own quantizer.
 Example::
 
     from tutorial_lib.quant.registry import FORMAT_NAMES, get_format_info, make_quantizer, recipe
+    w = torch.randn(64, 128, dtype=torch.bfloat16)          # a weight (last dim a multiple of 32)
     q = make_quantizer("mxfp8").quantize(w)                 # an MXFP8Tensor
     q = make_quantizer("mxfp8", rounding="rceil").quantize(w)
     rec = recipe("fp8", pow2_scales=True)                   # for quantize_params_ / build_sharded_quantized

@@ -15,10 +15,16 @@ Silently scaling per shard instead would decode one rank's codes with another ra
 
 Example::
 
+    import copy, pickle                                     # inside a launched rank
+    import torch.distributed as dist
     from tutorial_lib.quant.registry import make_quantizer
     q = make_quantizer("nvfp4_1x16"); q.set_group(dist.group.WORLD)
     copy.deepcopy(q).group is q.group                       # True
-    r = pickle.loads(pickle.dumps(q)); r.quantize(w)        # RuntimeError: ... call .set_group(group)
+    w = torch.randn(64, 128)
+    try:
+        r = pickle.loads(pickle.dumps(q)); r.quantize(w)
+    except RuntimeError as e:
+        print(e)                                            # ... call .set_group(group)
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ is collected here, and :func:`register_safe_globals` puts them all on torch's li
 
 Example::
 
+    from tutorial_lib.quant.mxfp8 import MXFP8Quantizer
     from tutorial_lib.quant.serialization import register_safe_globals
+    q = MXFP8Quantizer().quantize(torch.randn(64, 128))   # a quantized tensor with its quantizer
     torch.save(q, "q.pt")
     register_safe_globals()                        # already done by importing tutorial_lib
     q2 = torch.load("q.pt", weights_only=True)     # the same class, bytes and quantizer

@@ -19,10 +19,11 @@ counted, warned about or refused (:mod:`tutorial_lib.quant.fallback`).
 
 Example::
 
+    from tutorial_lib.quant.float8 import Float8Tensor
     q = Float8Tensor.from_high_precision(torch.randn(4, 8), scale=16.0, fmt="e4m3")
     q.raw_buffers()         # {"data": uint8 [4, 8], "scale_inv": fp32 []}
     q.view(-1)              # handled: a Float8Tensor aliasing q's bytes
-    q + 1                   # fallback: a plain fp32 tensor (and a warning)
+    q + 1                   # fallback: a plain fp32 tensor (and a warning, the first time)
 
 Protocol (what optimizer, FSDP2 hooks and checkpoint code may use; never ``isinstance`` of a
 concrete format)::

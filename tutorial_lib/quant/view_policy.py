@@ -27,10 +27,19 @@ high-precision copy kept per shard) and shows that the scoped raw-byte view avoi
 ``RawBytes`` cannot be mistaken for weights: it is ``uint8``, its numel is the byte count (half
 the element count for FP4), and arithmetic on it raises ``RawBytesError``.
 
-Example::
+Example (inside a launched rank: ``fully_shard`` needs a process group)::
 
+    from torch.distributed.fsdp import fully_shard
+    from tutorial_lib.quant.fallback import QuantizedViewError
+    from tutorial_lib.quant.mxfp8 import MXFP8Quantizer
     from tutorial_lib.quant.view_policy import allow_flat_views, view_policy, flat_raw_bytes
-    q.view(-1)                                  # QuantizedViewError (strict)
+    q = MXFP8Quantizer().quantize(torch.randn(64, 128, dtype=torch.bfloat16))
+    layer = torch.nn.Linear(128, 64, bias=False)
+    layer.weight = torch.nn.Parameter(q)
+    try:
+        q.view(-1)                              # strict by default
+    except QuantizedViewError as e:
+        print(e)                                # names the layout rule and the ways out
     with allow_flat_views():
         fully_shard(layer)                      # FSDP2's view(-1) -> RawBytes alias, no copy
     raw = flat_raw_bytes(q)                     # the same alias, asked for explicitly

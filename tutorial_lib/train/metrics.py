@@ -18,6 +18,7 @@ and torch included, so only its differences between formats mean anything).
 Example::
 
     from tutorial_lib.train.metrics import MetricsLog, peak_memory_bytes, read_metrics
+    rank = 0                                        # torch.distributed.get_rank() in a multi-rank run
     log = MetricsLog("runs/a/metrics.jsonl", enabled=(rank == 0))
     log.write("eval", step=25, val_loss=2.43)
     records = read_metrics("runs/a/metrics.jsonl")
