@@ -171,12 +171,3 @@ def run(ex: Example) -> None:
     finally:
         if name is not None:
             sys.modules.pop(name, None)
-
-
-def run_where(where: str) -> None:
-    """:func:`run` the example named ``where`` (for a fresh interpreter: ``python -c``)."""
-    import sys
-
-    sys.path.insert(0, ".")
-    (ex,) = [e for e in collect() if e.where == where]
-    run(ex)

@@ -6,6 +6,8 @@ callable's signature -- a renamed keyword or a removed function fails here. Bloc
 name they use are also RUN (on CPU, in a temporary directory holding a copy of the README and the
 recorded benchmark results); a block written for the inside of a rank runs inside two launched CPU
 ranks. Blocks that use a name the reader supplies (``x``, ``model``) are checked statically only.
+Where Triton compiles for a GPU, blocks that make CPU tensors in the test process are skipped (CPU CI
+runs them); blocks that launch ranks, run in a rank or name the GPU run there, and GPU blocks skip on CPU.
 """
 
 from __future__ import annotations
@@ -15,10 +17,7 @@ import importlib
 import importlib.util
 import inspect
 import os
-import pathlib
 import shutil
-import subprocess
-import sys
 import types
 
 import docstring_examples as de  # tests/docstring_examples.py: the rank function must be importable
@@ -28,7 +27,6 @@ from tutorial_kernels import interpreted
 
 from tutorial_lib.dist.launcher import launch
 
-TESTS = pathlib.Path(__file__).resolve().parent
 EXAMPLES = de.collect()
 RUNNABLE = [ex for ex in EXAMPLES if not de.free_names(ex.split_module()[2] + "\n" + ex.split_module()[1])]
 
@@ -127,10 +125,10 @@ def example_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def _needs_cpu_interpreter(ex: de.Example) -> bool:
-    """The example runs Triton kernels on CPU tensors in THIS process (it launches no ranks and names no GPU):
-    where this process compiles Triton (a GPU machine), that needs a fresh interpreter in CPU mode."""
-    return not interpreted() and not ex.in_rank and "launch(" not in ex.code and "cuda" not in ex.code
+def _cpu_tensors_in_this_process(ex: de.Example) -> bool:
+    """The example makes CPU tensors in THIS process and may hand them to Triton kernels: it launches no
+    ranks, runs in none, and names no GPU."""
+    return not ex.in_rank and "launch(" not in ex.code and "cuda" not in ex.code
 
 
 @pytest.mark.parametrize("ex", RUNNABLE, ids=_ids(RUNNABLE))
@@ -139,11 +137,10 @@ def test_example_runs(ex, example_dir, one_thread):
         pytest.skip("the example runs on a GPU")
     if ex.in_rank:
         launch(de.run_in_rank, world_size=2, device="cpu", args=(ex.split_module()[2], ex.where), timeout=600)
-    elif _needs_cpu_interpreter(ex):
-        env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-        script = f"import sys; sys.path.insert(0, {str(TESTS)!r}); import docstring_examples as de; " \
-                 f"de.run_where({ex.where!r})"
-        proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
+    elif _cpu_tensors_in_this_process(ex) and not interpreted():
+        # Here Triton compiles for the GPU and cannot take CPU tensors; CPU CI runs this example in the
+        # interpreter of the Triton it pins. (Not in a fresh interpreter-mode process here either: a GPU
+        # image's Triton may be older, and its interpreter is not a configuration the project supports.)
+        pytest.skip("a CPU-tensor example: run by CPU CI, where Triton interprets")
     else:
         de.run(ex)

@@ -15,7 +15,7 @@ Example::
     from tutorial_lib.dist.launcher import launch
     from tutorial_lib.lessons.end_to_end_training import accumulation_check, main_grad_pitfall, train_runs
     from tutorial_lib.train.loop import TrainConfig
-    sweep = launch(train_runs, world_size=2, device="cpu", args=([TrainConfig(fmt="fp8", steps=30)],))[0]
+    sweep = launch(train_runs, world_size=2, device="cpu", args=([TrainConfig(fmt="fp8", steps=30, device="cpu")],))[0]
     pit = launch(main_grad_pitfall, world_size=2, device="cpu")[0]
     acc = launch(accumulation_check, world_size=2, device="cpu", kwargs=dict(micro_batches=4))[0]
 """

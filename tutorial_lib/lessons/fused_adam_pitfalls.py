@@ -32,6 +32,7 @@ import tutorial_kernels.adam_tables as tables_mod
 from torch.distributed.tensor import DTensor, Shard
 
 from tutorial_lib.dist.mesh import world_mesh
+from tutorial_lib.dist.runtime import resolve_device
 from tutorial_lib.optim.adamw_reference import adamw_reference_step_
 from tutorial_lib.optim.fused_adam import HP_INIT_ATTR, FusedAdam
 from tutorial_lib.quant.float8 import CurrentScaling
@@ -203,14 +204,18 @@ def _regression_run(seed: int, steps: int, broken: bool, device, dim: int = 32, 
     return losses, diff, tol
 
 
-def loss_went_down(n_seeds: int = 20, steps: int = 3, device: str | torch.device = "cpu") -> LossWentDown:
+def loss_went_down(n_seeds: int = 20, steps: int = 3, device: str | torch.device = "auto") -> LossWentDown:
     """Run a correct and a broken optimizer on a noisy regression for ``n_seeds`` seeds.
+
+    ``device``: ``"auto"`` (a GPU when one is visible: the optimizer's Triton kernels compile for it, and CPU
+    tensors only run where Triton interprets), ``"cpu"``, ``"cuda"`` or a ``torch.device``.
 
     The naive check ``loss[steps] < loss[0]`` compares two different minibatches: it fails the
     correct optimizer and passes the broken one for a good fraction of seeds. The replacement
     compares parameters with a reference (``torch.optim.AdamW`` on the same gradients) within a
     tolerance derived from fp32 rounding: every seed passes, every broken run fails by far.
     """
+    device = resolve_device(device) if isinstance(device, str) else device
     out = LossWentDown(steps, [], [], [], [], [], [])
     for seed in range(n_seeds):
         losses, diff, tol = _regression_run(seed, steps, False, device)
