@@ -6,15 +6,15 @@ pytest puts ``tests/`` on ``sys.path`` (a test folder without ``__init__.py``) a
 that ``sys.path`` to every child.
 
 An example block starts at a docstring paragraph whose first line starts with ``Example`` (or
-contains `` Example::``) and whose last line ends in ``::``; it is the indented text after it.
-Names an example uses but never binds are its *free names*: the reader supplies them (``x``, a
-``model``), so such an example is checked statically only. ``torch`` counts as supplied.
+contains `` Example``) and whose last line ends in ``::``; it is the indented text after it.
+Names an example uses but never binds are its *free names* (``torch`` counts as bound): the test allows
+none, so every example can be pasted and run as it stands.
 
 Example::
 
     import docstring_examples as de                    # from a test in tests/
     ex = de.collect()[0]
-    ex.where, ex.free_names, ex.in_rank                # "kernels/adam.py:<module>:12", [...], False
+    ex.where, ex.free_names, ex.in_rank                # "tutorial_lib/dist/checkpoint.py:<module>:39", [], False
 """
 
 from __future__ import annotations

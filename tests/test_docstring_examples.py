@@ -2,12 +2,11 @@
 
 Every block is parsed, its imports must resolve, and every call of a library callable it names
 (``fp8_mm(x8, w8.t(), out_dtype=...)``, ``TransformerConfig.preset("tiny")``) must bind to that
-callable's signature -- a renamed keyword or a removed function fails here. Blocks that bind every
-name they use are also RUN (on CPU, in a temporary directory holding a copy of the README and the
-recorded benchmark results); a block written for the inside of a rank runs inside two launched CPU
-ranks. Blocks that use a name the reader supplies (``x``, ``model``) are checked statically only.
-Where Triton compiles for a GPU, blocks that make CPU tensors in the test process are skipped (CPU CI
-runs them); blocks that launch ranks, run in a rank or name the GPU run there, and GPU blocks skip on CPU.
+callable's signature -- a renamed keyword or a removed function fails here. Every block must also bind
+the names it uses (``torch`` excepted), so a reader can paste it, and every block RUNS: in a temporary
+directory holding a copy of the README and the recorded benchmark results; a block written for the
+inside of a rank inside two launched CPU ranks. Blocks that name the GPU skip on CPU; where Triton
+compiles for a GPU, blocks that make CPU tensors in the test process skip instead (CPU CI runs them).
 """
 
 from __future__ import annotations
@@ -82,7 +81,10 @@ def test_examples_are_found():
     assert len(EXAMPLES) >= 80, len(EXAMPLES)
     # A header that wraps over two lines before its "::" is found too.
     assert "tutorial_lib/train/profiling.py" in paths
-    assert len(RUNNABLE) >= 40, _ids(RUNNABLE)
+    # Every example runs as written: a reader can paste it. A new one that uses a name it never binds fails here.
+    unbound = {ex.where: de.free_names(ex.split_module()[2] + "\n" + ex.split_module()[1])
+               for ex in EXAMPLES if ex not in RUNNABLE}
+    assert not unbound, f"examples using names they never bind (define or import them): {unbound}"
 
 
 @pytest.mark.parametrize("ex", EXAMPLES, ids=_ids(EXAMPLES))

@@ -135,3 +135,22 @@ def test_metrics_log(tmp_path):
     log.write("train", step=6, loss=2.0)
     assert read_metrics(tmp_path / "m.jsonl", "eval") == [{"event": "eval", "step": 5, "val_loss": 2.5}]
     assert len(read_metrics(tmp_path / "m.jsonl")) == 2
+
+
+def test_a_device_the_process_group_cannot_serve_is_a_clear_error(tmp_path, monkeypatch):
+    """Ranks started for the CPU (gloo) but a TrainConfig that resolves to CUDA -- e.g. ``device="auto"`` in CPU
+    ranks on a GPU machine -- fail at once with a ValueError naming the backend, not in FSDP2's first collective."""
+    import torch.distributed as dist
+
+    import tutorial_lib.train.loop as loop
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(loop, "resolve_device", lambda device: torch.device("cuda"))   # as on a GPU machine
+            with pytest.raises(ValueError, match="backend is 'gloo', which has no nccl for cuda tensors"):
+                loop.train_mesh(TrainConfig(device="auto"))
+        mesh, dev = loop.train_mesh(TrainConfig(device="cpu"))
+        assert dev.type == "cpu" and mesh.size() == 1
+    finally:
+        dist.destroy_process_group()

@@ -157,6 +157,12 @@ def train_mesh(cfg: TrainConfig):
         raise RuntimeError("train_model() runs inside an initialised process group: start it with "
                            "tutorial_lib.dist.launcher.launch, torchrun, or python -m tutorial_lib.train")
     dev = resolve_device(cfg.device)
+    backend = dist.get_backend()                       # "gloo", "nccl", or "cpu:gloo,cuda:nccl"
+    needed = "nccl" if dev.type == "cuda" else "gloo"
+    if needed not in backend:                          # else FSDP2's first collective fails far from here
+        raise ValueError(f"TrainConfig(device={cfg.device!r}) trains on {dev.type}, but this process group's "
+                         f"backend is {backend!r}, which has no {needed} for {dev.type} tensors: pass the "
+                         f"device the ranks were started for (launch(..., device=...) / --device)")
     if dev.type == "cuda":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)
