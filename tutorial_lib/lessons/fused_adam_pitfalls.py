@@ -244,12 +244,14 @@ class MasterDrift:
 
 
 def master_seeding_drift(steps: int = 20, dim: int = 64, lr: float = 1e-4, seed: int = 0,
-                         device: str | torch.device = "cpu") -> MasterDrift:
+                         device: str | torch.device = "auto") -> MasterDrift:
     """Train one FP8 weight (current scaling) toward a teacher with FusedAdam, masters seeded two ways.
 
     Both FP8 runs compute their forward with the FP8 weight and hand bf16 gradients to the
-    optimizer; the reference is the same training in fp32 from the fp32 init.
+    optimizer; the reference is the same training in fp32 from the fp32 init. ``device`` as in
+    :func:`loss_went_down`.
     """
+    device = resolve_device(device) if isinstance(device, str) else device
     gen = torch.Generator().manual_seed(seed)
     w_init = (torch.randn(dim, dim, generator=gen) * 0.02).to(device)
     teacher = (torch.randn(dim, dim, generator=gen) * 0.02).to(device)
