@@ -46,8 +46,9 @@ def _bindings(ex: de.Example, tree: ast.Module) -> dict[str, object]:
     """Names the example imports from the library, and the documented function/class itself (a
     function's own example may call it unimported), mapped to the objects they name."""
     names: dict[str, object] = {}
-    if ex.owner != "<module>":
-        names[ex.owner] = getattr(_module_of(ex), ex.owner)
+    owner = getattr(_module_of(ex), ex.owner, None)    # None for a method: no module-level name to call
+    if owner is not None:
+        names[ex.owner] = owner
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in _LIBRARY_ROOTS:
             mod = importlib.import_module(node.module)
