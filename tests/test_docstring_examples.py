@@ -27,7 +27,7 @@ from tutorial_kernels import interpreted
 from tutorial_lib.dist.launcher import launch
 
 EXAMPLES = de.collect()
-RUNNABLE = [ex for ex in EXAMPLES if not de.free_names(ex.split_module()[2] + "\n" + ex.split_module()[1])]
+RUNNABLE = [ex for ex in EXAMPLES if not ex.free_names]
 
 _LIBRARY_ROOTS = ("tutorial_lib", "tutorial_kernels")
 
@@ -83,8 +83,7 @@ def test_examples_are_found():
     # A header that wraps over two lines before its "::" is found too.
     assert "tutorial_lib/train/profiling.py" in paths
     # Every example runs as written: a reader can paste it. A new one that uses a name it never binds fails here.
-    unbound = {ex.where: de.free_names(ex.split_module()[2] + "\n" + ex.split_module()[1])
-               for ex in EXAMPLES if ex not in RUNNABLE}
+    unbound = {ex.where: ex.free_names for ex in EXAMPLES if ex.free_names}
     assert not unbound, f"examples using names they never bind (define or import them): {unbound}"
 
 
@@ -128,15 +127,20 @@ def example_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
+def _needs_gpu(ex: de.Example) -> bool:
+    """The example asks for the GPU outright (``device="cuda"``)."""
+    return 'device="cuda"' in ex.code or "'cuda'" in ex.code
+
+
 def _cpu_tensors_in_this_process(ex: de.Example) -> bool:
     """The example makes CPU tensors in THIS process and may hand them to Triton kernels: it launches no
-    ranks, runs in none, and names no GPU."""
+    ranks, runs in none, and names no GPU (not even as a choice: ``"cuda" if ... else "cpu"``)."""
     return not ex.in_rank and "launch(" not in ex.code and "cuda" not in ex.code
 
 
 @pytest.mark.parametrize("ex", RUNNABLE, ids=_ids(RUNNABLE))
 def test_example_runs(ex, example_dir, one_thread):
-    if ('device="cuda"' in ex.code or "'cuda'" in ex.code) and not torch.cuda.is_available():
+    if _needs_gpu(ex) and not torch.cuda.is_available():
         pytest.skip("the example runs on a GPU")
     if ex.in_rank:
         launch(de.run_in_rank, world_size=2, device="cpu", args=(ex.split_module()[2], ex.where), timeout=600)

@@ -19,7 +19,10 @@ Example::
     from tutorial_lib.train.checkpoints import checkpoint_path, latest_checkpoint, resolve_resume
     checkpoint_path("runs/a", 50)             # "runs/a/checkpoints/step_0000050"
     latest_checkpoint("runs/a")               # the newest complete one, or None
-    resolve_resume("latest", "runs/a")        # that one, or FileNotFoundError naming the directory
+    try:
+        resolve_resume("latest", "runs/a")    # that one
+    except FileNotFoundError as e:
+        print(e)                              # none yet: the error names the directory
 """
 
 from __future__ import annotations
