@@ -27,21 +27,25 @@ high-precision copy kept per shard) and shows that the scoped raw-byte view avoi
 ``RawBytes`` cannot be mistaken for weights: it is ``uint8``, its numel is the byte count (half
 the element count for FP4), and arithmetic on it raises ``RawBytesError``.
 
-Example (inside a launched rank: ``fully_shard`` needs a process group)::
+Example (inside a launched rank: ``fully_shard`` needs a process group; pass the rank's mesh:
+without one, FSDP2 builds its default mesh on the machine's accelerator -- CUDA on a GPU machine, even in
+gloo ranks whose tensors are on the CPU)::
 
     from torch.distributed.fsdp import fully_shard
+    from tutorial_lib.dist.mesh import world_mesh
     from tutorial_lib.quant.fallback import QuantizedViewError
     from tutorial_lib.quant.mxfp8 import MXFP8Quantizer
     from tutorial_lib.quant.view_policy import allow_flat_views, view_policy, flat_raw_bytes
-    q = MXFP8Quantizer().quantize(torch.randn(64, 128, dtype=torch.bfloat16))
-    layer = torch.nn.Linear(128, 64, bias=False)
+    mesh, dev = world_mesh()
+    q = MXFP8Quantizer().quantize(torch.randn(64, 128, dtype=torch.bfloat16, device=dev))
+    layer = torch.nn.Linear(128, 64, bias=False, device=dev)
     layer.weight = torch.nn.Parameter(q)
     try:
         q.view(-1)                              # strict by default
     except QuantizedViewError as e:
         print(e)                                # names the layout rule and the ways out
     with allow_flat_views():
-        fully_shard(layer)                      # FSDP2's view(-1) -> RawBytes alias, no copy
+        fully_shard(layer, mesh=mesh)           # FSDP2's view(-1) -> RawBytes alias, no copy
     raw = flat_raw_bytes(q)                     # the same alias, asked for explicitly
     with view_policy("warn_dequantize"):        # demo: the production behaviour
         v = q.view(-1)                          # a bf16 copy + QuantizedViewWarning
