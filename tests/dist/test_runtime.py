@@ -77,3 +77,14 @@ def test_cpu_ranks_run_triton_in_the_interpreter_whatever_the_caller_uses(monkey
     launch(os.getenv, world_size=1, device="cpu", args=("TRITON_INTERPRET",), timeout=120)
     assert "TRITON_INTERPRET" not in os.environ
     assert runtime.resolve_device("cpu") == torch.device("cpu")
+
+
+def test_resolve_device_names_bad_strings_and_keeps_a_device_it_is_given():
+    assert runtime.resolve_device(torch.device("cpu")) == torch.device("cpu")
+    # a torch.device is the caller's placement: kept as is, even one this machine lacks (no GPU here or not)
+    assert runtime.resolve_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"device must be one of \('auto', 'cpu', 'cuda'\), got 'gpu'"):
+        runtime.resolve_device("gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="torch sees no CUDA device"):
+            runtime.resolve_device("cuda")

@@ -346,7 +346,7 @@ def launch(
         ValueError: bad ``world_size`` (e.g. more ranks than GPUs).
     """
     kwargs = kwargs or {}
-    dev = device if isinstance(device, torch.device) else resolve_device(device)
+    dev = resolve_device(device)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if dev.type == "cuda" and world_size > torch.cuda.device_count():

@@ -30,12 +30,15 @@ import torch
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 
 
-def resolve_device(device: str = "auto") -> torch.device:
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
     """Turn a lesson's ``device`` parameter into a ``torch.device``.
 
     ``"auto"`` picks CUDA when a GPU is visible; asking for ``"cuda"`` on a machine
-    without one is an error rather than a silent CPU run.
+    without one is an error rather than a silent CPU run. A ``torch.device`` is returned as
+    it is (a caller that already placed its tensors keeps its choice, ``cuda:1`` included).
     """
+    if isinstance(device, torch.device):
+        return device
     if device not in DEVICE_CHOICES:
         raise ValueError(f"device must be one of {DEVICE_CHOICES}, got {device!r}")
     if device == "auto":

@@ -215,7 +215,7 @@ def loss_went_down(n_seeds: int = 20, steps: int = 3, device: str | torch.device
     compares parameters with a reference (``torch.optim.AdamW`` on the same gradients) within a
     tolerance derived from fp32 rounding: every seed passes, every broken run fails by far.
     """
-    device = resolve_device(device) if isinstance(device, str) else device
+    device = resolve_device(device)
     out = LossWentDown(steps, [], [], [], [], [], [])
     for seed in range(n_seeds):
         losses, diff, tol = _regression_run(seed, steps, False, device)
@@ -251,7 +251,7 @@ def master_seeding_drift(steps: int = 20, dim: int = 64, lr: float = 1e-4, seed:
     optimizer; the reference is the same training in fp32 from the fp32 init. ``device`` as in
     :func:`loss_went_down`.
     """
-    device = resolve_device(device) if isinstance(device, str) else device
+    device = resolve_device(device)
     gen = torch.Generator().manual_seed(seed)
     w_init = (torch.randn(dim, dim, generator=gen) * 0.02).to(device)
     teacher = (torch.randn(dim, dim, generator=gen) * 0.02).to(device)
