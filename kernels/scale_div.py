@@ -4,7 +4,7 @@ The blockwise references divide every element by its block's scale (``xb / scale
 round-to-nearest), and an E4M3 code depends on that exact fp32 quotient: one ulp can flip a rounding
 tie. ``tl.div_rn(x, s)`` per element gives it, but compiled it is a short fast path guarded by a range
 check (``FCHK``), with a long slow path for dividends near the ends of the exponent range -- zeros
-included, and gradients hold many of those (the README's verified runs have the GPU numbers). Here the
+included, and gradients hold many of those (docs/verified_runs.md has the GPU numbers). Here the
 per-element work is one multiply, three FMAs and a sign fix, and the divisions are per block::
 
     y    = RN(1 / s)                per block: the correctly rounded reciprocal (one division)

@@ -205,3 +205,23 @@ def test_production_switches_table_names_resolve():
         inspect.signature(obj).bind_partial(*call.args, **{k.arg: None for k in call.keywords})  # TypeError if not
         if obj in (tutorial_lib.recipe, tutorial_lib.make_quantizer):
             assert ast.literal_eval(call.args[0]) in tutorial_lib.FORMAT_NAMES, span
+
+
+@pytest.mark.parametrize("doc", ["README.md", "SECURITY.md", "docs/verified_runs.md"])
+def test_relative_links_resolve(doc):
+    """Every relative link of the repository's markdown files names a file or folder that exists (a moved
+    section or a renamed lesson leaves no dead link); a ``#fragment`` must be one of the target's headings."""
+    source = ROOT / doc
+    prose = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", source.read_text(), flags=re.S))  # code is not links
+    links = re.findall(r"(?<!\\)\]\(([^)\s]+)\)", prose)   # an escaped \] is literal text
+    relative = [u for u in links if not re.match(r"[a-z][a-z0-9+.-]*:", u)]
+    if doc == "README.md":
+        assert len(relative) > 12, "README.md: the lesson table's links were not found -- the pattern is wrong"
+    for url in relative:
+        path, _, fragment = url.partition("#")
+        target = (source.parent / path).resolve() if path else source
+        assert target.exists(), f"{doc}: link ({url}) names {target.relative_to(ROOT)}, which does not exist"
+        if fragment and target.suffix == ".md":
+            slugs = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                     for h in re.findall(r"^#+ (.*)$", target.read_text(), flags=re.M)}
+            assert fragment in slugs, f"{doc}: link ({url}): no heading of {path or doc} has the anchor #{fragment}"
