@@ -109,6 +109,16 @@ def test_render_keeps_the_lesson_and_drops_the_run_noise(tmp_path):
     assert render.check_rendered(out_dir, source.parent) == []
 
 
+def test_printed_paths_are_made_relative_to_the_checkout(tmp_path):
+    source = _lesson(tmp_path)
+    where = render.REPO_ROOT / "tutorial_lib" / "dist" / "launcher.py"
+    trace = f'Traceback (most recent call last):\n  File "{where}", line 199, in _rank_main\n'
+    r = render.render_notebook(_executed(source, tmp_path, stream=trace), source, tmp_path / "r" / source.name, META)
+    texts = [o.text for o in nbformat.read(r.target, as_version=4).cells[3].outputs if o.output_type == "stream"]
+    assert texts == ['Traceback (most recent call last):\n  File "tutorial_lib/dist/launcher.py", line 199, in _rank_main\n']
+    assert render.repo_relative("/elsewhere/tutorial_lib/x.py") == "/elsewhere/tutorial_lib/x.py", "other paths stay"
+
+
 def test_wide_figures_are_scaled_and_long_outputs_cut(tmp_path):
     source = _lesson(tmp_path)
     long = "".join(f"line {i}\n" for i in range(render.MAX_STREAM_LINES + 50))

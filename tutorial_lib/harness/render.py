@@ -134,12 +134,20 @@ def _cut(text: str) -> tuple[str, int]:
     return "".join(lines[:head]) + note + "".join(lines[-tail:]), cut
 
 
+def repo_relative(text: str, root: Path = REPO_ROOT) -> str:
+    """``text`` with the checkout's absolute path dropped from the paths it prints (a traceback's
+    ``File "/home/me/repo/tutorial_lib/x.py"`` reads ``File "tutorial_lib/x.py"``): the rendering machine's
+    folders mean nothing to a reader."""
+    return text.replace(str(root) + os.sep, "")
+
+
 def clean_for_reading(nb) -> tuple[int, int, int]:
     """Clean an executed notebook in place for a rendered copy; return (images, images scaled, lines cut).
 
     Drops run metadata (papermill's timings and absolute paths, per-cell execution timestamps, widget
-    state), progress-bar output and widget views; collapses carriage returns; scales and re-compresses
-    PNGs; cuts text outputs longer than MAX_STREAM_LINES lines.
+    state), progress-bar output and widget views; collapses carriage returns; makes the checkout's paths
+    in printed text relative to it (:func:`repo_relative`); scales and re-compresses PNGs; cuts text
+    outputs longer than MAX_STREAM_LINES lines.
     """
     nb.metadata.pop("papermill", None)
     nb.metadata.pop("widgets", None)
@@ -154,7 +162,7 @@ def clean_for_reading(nb) -> tuple[int, int, int]:
             if out.output_type == "stream":
                 if _is_progress(out.text):
                     continue
-                out.text, n = _cut(_collapse_carriage_returns(out.text))
+                out.text, n = _cut(repo_relative(_collapse_carriage_returns(out.text)))
                 cut += n
             elif out.output_type in ("display_data", "execute_result"):
                 out.data.pop(_WIDGET, None)
@@ -166,7 +174,7 @@ def clean_for_reading(nb) -> tuple[int, int, int]:
                     if was_scaled:
                         out.get("metadata", {}).pop("image/png", None)  # its display size was the old one
                 if "text/plain" in out.data:
-                    out.data["text/plain"], n = _cut(out.data["text/plain"])
+                    out.data["text/plain"], n = _cut(repo_relative(out.data["text/plain"]))
                     cut += n
             kept.append(out)
         cell.outputs = kept
