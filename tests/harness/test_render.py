@@ -115,7 +115,8 @@ def test_printed_paths_are_made_relative_to_the_checkout(tmp_path):
     trace = f'Traceback (most recent call last):\n  File "{where}", line 199, in _rank_main\n'
     r = render.render_notebook(_executed(source, tmp_path, stream=trace), source, tmp_path / "r" / source.name, META)
     texts = [o.text for o in nbformat.read(r.target, as_version=4).cells[3].outputs if o.output_type == "stream"]
-    assert texts == ['Traceback (most recent call last):\n  File "tutorial_lib/dist/launcher.py", line 199, in _rank_main\n']
+    assert texts == ['Traceback (most recent call last):\n'
+                     '  File "tutorial_lib/dist/launcher.py", line 199, in _rank_main\n']
     assert render.repo_relative("/elsewhere/tutorial_lib/x.py") == "/elsewhere/tutorial_lib/x.py", "other paths stay"
 
 
