@@ -21,12 +21,21 @@ Example::
     from tutorial_lib.optim.fused_adam import FusedAdam
     from tutorial_lib.quant.registry import recipe
 
-    model = quantize_params_(torch.nn.Linear(64, 64), recipe("fp8_delayed"))
-    opt = FusedAdam(model.parameters(), lr=1e-3, master_weights=True)
+    def build(seed):                                                 # what every job runs first
+        torch.manual_seed(seed)
+        model = quantize_params_(torch.nn.Linear(64, 64), recipe("fp8_delayed"))
+        return model, FusedAdam(model.parameters(), lr=1e-3, master_weights=True)
+
+    model, opt = build(seed=0)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape)
+    opt.step()                                                       # moments and masters worth saving
     with checkpoint_dir() as path:
-        save_checkpoint({"app": TrainingState(model, opt)}, path)        # every rank
-        # later, in a new job: the same model and optimizer, freshly built
-        load_checkpoint({"app": TrainingState(model, opt)}, path)        # model, optimizer and quantizers restored
+        save_checkpoint({"app": TrainingState(model, opt)}, path)    # every rank
+        model2, opt2 = build(seed=1)                                 # a new job: freshly built, other values
+        load_checkpoint({"app": TrainingState(model2, opt2)}, path)  # model, optimizer and quantizers restored
+    print(torch.equal(model2.weight.dequantize(), model.weight.dequantize()))                    # True
+    print(torch.equal(opt2.state[model2.weight]["exp_avg"], opt.state[model.weight]["exp_avg"]))  # True
 """
 
 from __future__ import annotations
