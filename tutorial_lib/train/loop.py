@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import sys
 import time
 
 import torch
@@ -49,10 +48,10 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.profiler import record_function
-from tqdm.auto import tqdm
 
 from tutorial_lib.dist.quantized_init import build_sharded_plain, build_sharded_quantized
 from tutorial_lib.dist.runtime import deterministic_cuda, resolve_device
+from tutorial_lib.harness.progress import progress
 from tutorial_lib.optim.fused_adam import FusedAdam
 from tutorial_lib.quant.registry import get_format_info, recipe
 from tutorial_lib.train.checkpoints import load_training_checkpoint, resolve_resume, save_training_checkpoint
@@ -262,8 +261,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     tokens_per_step = ws * cfg.micro_batches * cfg.batch_size * model_cfg.seq_len
     losses, val_losses, checkpoints, rates, step_times = [], {}, [], [], []
     pending = []  # this interval's per-step losses, on the device (no host sync per step)
-    bar = tqdm(total=cfg.steps, initial=start, disable=(rank != 0 or not cfg.progress), desc=cfg.fmt,
-               file=sys.stderr, dynamic_ncols=True)
+    quiet = rank != 0 or not cfg.progress  # one bar per job, of the kind that suits where it runs
+    bar = progress(total=cfg.steps, initial=start, desc=cfg.fmt, unit="step", **({"disable": True} if quiet else {}))
     _sync(dev)
     t0, n_timed = time.perf_counter(), 0
     for step in range(start, cfg.steps):
