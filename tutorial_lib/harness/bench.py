@@ -25,6 +25,7 @@ Example::
 One JSON file per run::
 
     {"machine": "NVIDIA H200 x1", "torch": "...", "triton": "...", "date": "...", "copy_GBps": 4250.0,
+     "code": {"commit": ..., "dirty": ..., "source_sha256": ...},        # harness.code_version
      "cases": [{"name": ..., "ours_ms": ..., "peers": {name: ms}, "bytes": ..., "fraction_of_copy": ...}]}
 """
 
@@ -51,6 +52,7 @@ from torch.profiler import ProfilerActivity, profile
 
 # the README table lives in its own module; re-exported here (``python -m tutorial_lib.harness.bench``)
 from tutorial_lib.harness.bench_report import README_END, README_START, results_markdown, update_readme  # noqa: F401
+from tutorial_lib.harness.code_version import code_version
 from tutorial_lib.harness.kernel_ranges import kernel_time_by_range
 
 
@@ -469,6 +471,7 @@ def write_results(
         "triton": triton.__version__,
         "date": now.isoformat(timespec="seconds"),
         "copy_GBps": round(copy_GBps, 2),
+        "code": code_version().as_dict(),  # which code: runs weeks apart compare revisions too
         "cases": cases,
     }
     doc.update(extra or {})

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import nbformat
 
+from tutorial_lib.harness.code_version import code_version
 from tutorial_lib.harness.notebooks import (
     DEFAULT_OUT,
     NOTEBOOK_DIR,
@@ -182,7 +183,7 @@ def clean_for_reading(nb) -> tuple[int, int, int]:
 
 
 def provenance(parameters: dict) -> dict:
-    """Where and how a rendered copy was made: parameters, machine, versions, date, command."""
+    """Where and how a rendered copy was made: parameters, machine, versions, code version, date, command."""
     import torch
 
     try:
@@ -197,6 +198,7 @@ def provenance(parameters: dict) -> dict:
         machine = f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
     return {"parameters": parameters, "machine": machine, "torch": torch.__version__, "triton": triton_version,
             "python": platform.python_version(), "date": datetime.date.today().isoformat(),
+            "code": code_version().as_dict(),
             "command": "python -m tutorial_lib.harness.render " + " ".join(sys.argv[1:])}
 
 

@@ -1,0 +1,72 @@
+"""Which code a recorded result came from: the git commit where there is one, and a digest of the sources.
+
+A benchmark record or a rendered lesson made weeks apart compares code revisions as much as machines.
+Recording the commit is not enough on its own: GPU runs often happen in a copy of the working tree
+without ``.git`` (a job's scratch directory), or with uncommitted changes. So every record also
+carries a digest of the files that decide the numbers -- every ``*.py`` below ``tutorial_lib/``,
+``kernels/`` and ``benchmarks/`` -- which two runs share exactly when they ran the same code::
+
+    code_version()  ->  CodeVersion(commit="d158a8c", dirty=False, source_sha256="5c1f0e9a2b7d")
+                          from git, or None           sha256 over (path, bytes) of the sources, 12 hex
+
+Example::
+
+    from tutorial_lib.harness.code_version import code_version
+    v = code_version()
+    print(v.source_sha256)            # the same value for every run of this tree, with or without git
+    print(v.as_dict())                # what the benchmarks' JSON records under "code"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import subprocess
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SOURCE_DIRS = ("tutorial_lib", "kernels", "benchmarks")
+
+__all__ = ["CodeVersion", "code_version", "source_digest"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeVersion:
+    """``commit``: short git hash (None without git); ``dirty``: tracked files differ from it (None
+    without git); ``source_sha256``: :func:`source_digest` of the tree, 12 hex digits."""
+
+    commit: str | None
+    dirty: bool | None
+    source_sha256: str
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def source_digest(root: Path = REPO_ROOT, dirs: tuple[str, ...] = SOURCE_DIRS) -> str:
+    """sha256 over every ``*.py`` below ``root/<dirs>``, each as its relative path and its bytes, in path
+    order; the first 12 hex digits. Caches (``__pycache__``) are not sources and are skipped."""
+    h = hashlib.sha256()
+    files = sorted(p for d in dirs for p in (Path(root) / d).rglob("*.py") if "__pycache__" not in p.parts)
+    for p in files:
+        h.update(p.relative_to(root).as_posix().encode() + b"\0")
+        h.update(p.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess | None:
+    try:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):  # no git on this machine
+        return None
+
+
+def code_version(root: Path = REPO_ROOT) -> CodeVersion:
+    """The commit (and whether tracked files changed since) where ``root`` is a git checkout, and the
+    digest of its sources always."""
+    head = _git(root, "rev-parse", "--short", "HEAD")
+    if head is None or head.returncode != 0:
+        return CodeVersion(None, None, source_digest(root))
+    diff = _git(root, "diff", "--quiet", "HEAD", "--")
+    dirty = None if diff is None or diff.returncode not in (0, 1) else diff.returncode == 1
+    return CodeVersion(head.stdout.strip(), dirty, source_digest(root))
