@@ -52,7 +52,8 @@ def _train_result(**changes) -> lesson.Fp8TrainCompareResult:
 def test_results_pickle_as_module_level_types():
     res = _train_result()
     assert pickle.loads(pickle.dumps(res)) == res
-    steps = lesson.StepBreakdownResult(rank=1, world_size=2, recipe="blockwise", params=10, tokens=128,
+    steps = lesson.StepBreakdownResult(rank=1, world_size=2, recipe="blockwise", params=10, dim=256,
+                                       hidden=256, tokens=128,
                                        fp8_gemms=_phases("FP8 GEMMs (blockwise)", fprop_ms=1.0),
                                        dequantize_on_use=_phases("dequantize-on-use", all_gather_ms=0.5))
     assert pickle.loads(pickle.dumps(steps)) == steps

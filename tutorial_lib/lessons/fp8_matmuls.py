@@ -134,7 +134,9 @@ class StepBreakdownResult:
     rank: int  # this rank
     world_size: int  # ranks in the launch
     recipe: str  # FP8-linear recipe of the first model
-    params: int  # parameters of the model
+    params: int  # parameters of the model (the same for both builds)
+    dim: int  # model width
+    hidden: int  # MLP hidden width
     tokens: int  # rows of each rank's micro-batch
     fp8_gemms: StepPhases  # Fp8Linear layers (FP8 weights all-gathered, FP8 GEMMs)
     dequantize_on_use: StepPhases  # QLinear layers (same FP8 weights, dequantized before a high-precision GEMM)
@@ -316,5 +318,5 @@ def step_breakdown(recipe: str = "hybrid", *, dim: int | None = None, hidden: in
         label = f"FP8 GEMMs ({recipe})" if fp8 else "dequantize-on-use"
         out[name] = _phases(label, step, dev, reps)
         del model
-    return StepBreakdownResult(rank=dist.get_rank(), world_size=ws, recipe=recipe, params=params, tokens=tokens,
-                               **out)
+    return StepBreakdownResult(rank=dist.get_rank(), world_size=ws, recipe=recipe, params=params, dim=dim,
+                               hidden=hidden, tokens=tokens, **out)
