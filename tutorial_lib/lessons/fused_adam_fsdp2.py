@@ -359,7 +359,7 @@ def dtensor_overhead(n_params: int = 200, numel: int = 64, steps: int = 3,
 
     Every parameter is a ``Shard(0)`` DTensor with a ``numel``-element local shard; the plain run
     uses exactly those local tensors (and grads). torch's AdamW runs its foreach/fused kernels
-    on DTensors through DTensor dispatch (sharding propagation per op and parameter list);
+    on DTensors through per-op DTensor dispatch (cached sharding propagation, unwrap/rewrap);
     FusedAdam unwraps the local tensors once per step. ``steps``: timed steps per optimizer on a
     CPU (on CUDA the timing takes 9 alternating rounds of ``do_bench`` instead).
     """
