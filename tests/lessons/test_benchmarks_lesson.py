@@ -1,6 +1,7 @@
 """Lesson 12's module (tutorial_lib.lessons.benchmarks): recorded results read back exactly, the FSDP2
-step profile and the collective timing on 2 CPU ranks. The amax-reduction rank function is tested in
-tests/optim/test_amax_reduce.py; the live benchmarks run in the lesson itself."""
+step profile and the collective timing on 2 CPU ranks, the tensor-count sweep's medians and ranges over
+alternating rounds. The amax-reduction rank function is tested in tests/optim/test_amax_reduce.py; the
+live benchmarks run in the lesson itself."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from tutorial_lib.dist.launcher import launch, run_sequence
 from tutorial_lib.harness.notebooks import REPO_ROOT
-from tutorial_lib.lessons.benchmarks import collective_cost, fsdp2_step_profile, recorded_cases
+from tutorial_lib.lessons.benchmarks import collective_cost, fsdp2_step_profile, recorded_cases, tensor_count_sweep
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 
@@ -27,6 +28,17 @@ def test_recorded_cases_are_every_case_of_every_file():
             assert frac == pytest.approx(r.fraction_of_copy * r.ours_ms / r.peers_ms[name])
         if r.ours_range_ms:
             assert r.ours_range_ms[0] <= r.ours_ms <= r.ours_range_ms[1]
+
+
+def test_tensor_count_sweep_reports_medians_within_their_ranges():
+    sweep = tensor_count_sweep("cpu", 1024, [1, 4], rounds=3)
+    assert [(p.n_tensors, p.numel_each) for p in sweep] == [(1, 1024), (4, 256)]
+    for p in sweep:
+        assert set(p.ms) == set(p.range_ms) == {"FusedAdam", "torch AdamW fused"}
+        for name, ms in p.ms.items():  # a median over the alternating rounds, inside their min-max
+            lo, hi = p.range_ms[name]
+            assert 0 < lo <= ms <= hi
+        assert not p.is_performance_measurement
 
 
 @pytest.mark.distributed

@@ -39,7 +39,13 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.dist.quantized_init import build_sharded_plain
-from tutorial_lib.harness.bench import alternating_case, copy_bandwidth_GBps, median_ms_all_ranks, turn_order
+from tutorial_lib.harness.bench import (
+    alternating_case,
+    copy_bandwidth_GBps,
+    median_ms_all_ranks,
+    time_rounds,
+    turn_order,
+)
 from tutorial_lib.harness.kernel_ranges import exact_name, kernel_time_by_range
 from tutorial_lib.models import BlockMLP
 from tutorial_lib.optim.adamw_reference import adam_bytes_per_element
@@ -186,33 +192,29 @@ class SweepPoint:
 
     n_tensors: int  # how many tensors the total is split into
     numel_each: int  # elements per tensor
-    ms: dict[str, float]  # median ms per optimizer step: FusedAdam eager, torch AdamW fused, ...
+    ms: dict[str, float]  # median ms per optimizer step over the rounds: FusedAdam eager, torch AdamW fused
+    range_ms: dict[str, tuple[float, float]]  # (min, max) ms per step over the same rounds
     is_performance_measurement: bool  # False on a CPU (interpreter)
 
 
-def tensor_count_sweep(device: str | torch.device, total: int, counts: list[int], steps: int = 3) -> list[SweepPoint]:
+def tensor_count_sweep(device: str | torch.device, total: int, counts: list[int], rounds: int = 5) -> list[SweepPoint]:
     """Cost vs work: one optimizer step over ``total`` fp32 elements split into ``counts[i]`` tensors,
-    for FusedAdam (eager host path) and torch's fused AdamW (medians of ``steps`` timed steps)."""
+    FusedAdam (eager host path) and torch's fused AdamW taking turns in ``rounds`` alternating rounds
+    (:func:`tutorial_lib.harness.bench.time_rounds`), after one untimed step each (state, compilation)."""
     device = torch.device(device)
+    cpu = device.type == "cpu"
     out = []
     for n in counts:
         sizes = [total // n] * n
         opts = {"FusedAdam": FusedAdam(_params(sizes, device), **HP),
                 "torch AdamW fused": torch.optim.AdamW(_params(sizes, device), **HP, fused=True)}
-        times = {}
-        for name, opt in opts.items():
-            opt.step()
-            t = []
-            for _ in range(steps):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                opt.step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t.append((time.perf_counter() - t0) * 1e3)
-            times[name] = statistics.median(t)
-        out.append(SweepPoint(n, total // n, times, device.type == "cuda"))
+        for opt in opts.values():
+            opt.step()  # the optimizer state is built outside the timing
+        times = time_rounds({name: opt.step for name, opt in opts.items()}, rounds,
+                            warmup=0 if cpu else 3, rep=1 if cpu else 20)
+        out.append(SweepPoint(n, total // n, {k: statistics.median(v) for k, v in times.items()},
+                              {k: (min(v), max(v)) for k, v in times.items()}, device.type == "cuda"))
+        del opts
     return out
 
 
