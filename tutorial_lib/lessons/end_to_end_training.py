@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -261,6 +262,10 @@ class AccumulationResult:
     equal_fp32_reference: bool  # FSDP2 grad == single-process fp32 accumulation in FSDP2's order, bit for bit
     max_err_bf16: float  # the same error with reduce_dtype=bf16 (gradients accumulated and reduced in bf16)
     within_bound_bf16: bool  # every element of the bf16-reduced gradient within the fp32 bound
+    max_err_fp32_compute: float  # fp32 compute, fp32 reduce: 24-bit gradients, so the fp32 sums do round
+    bound_fp32_compute: float  # the largest elementwise bound of that case (the same formula)
+    within_bound_fp32_compute: bool  # every element of the fp32-compute case within its own bound
+    bound_use_fp32_compute: float  # max over elements of error / own bound, fp32 compute (0: no rounding anywhere)
     supported_ms: float  # one accumulated step (K micro-batches, one reduce-scatter), supported path
     supported_peak_bytes: int  # peak memory above the start of that step, this rank
     main_grad_ms: float  # the same step with MainGradLinear layers and full-shape fp32 main_grad buffers
@@ -281,43 +286,56 @@ def _local_rows(full: torch.Tensor, p: DTensor) -> torch.Tensor:
     return full[start : start + n]
 
 
-def accumulation_check(micro_batches: int = 4, dim: int = 48, hidden: int = 96, n_blocks: int = 2,
-                       batch: int = 16, seed: int = 0, reps: int = 3) -> AccumulationResult:
-    """K micro-batches per rank with ``set_requires_gradient_sync(False)`` on all but the last, bf16 compute,
-    fp32 reduce; the sharded gradients against single-process accumulation of the same bf16 micro-batch grads."""
-    mesh, dev = world_mesh()
-    rank, ws, k = dist.get_rank(), dist.get_world_size(), micro_batches
-    data = {r: [_batch(seed, r, i, batch, dim, dev) for i in range(k)] for r in range(ws)}
-    # reference: every (rank, micro-batch) gradient in bf16, as FSDP2 computes it; accumulated in fp64 and in fp32
-    ref = PitfallNet(dim, hidden, n_blocks, _plain, seed).to(dev, torch.bfloat16)
+def _reference_sums(ref: nn.Module, data: dict, k: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """Every (rank, micro-batch) gradient of ``ref`` computed in ``dtype``, as FSDP2 computes it; summed in
+    float64 (plus the sums of |g|, for the bound) and in fp32 in FSDP2's order (micro-batches, then ranks)."""
     acc64, acc32 = {}, {}
-    for r in range(ws):
+    for r in sorted(data):
         per_rank = {}
         for x, y in data[r]:
             ref.zero_grad(set_to_none=True)
-            (F.mse_loss(ref(x.bfloat16()).float(), y) / k).backward()
+            (F.mse_loss(ref(x.to(dtype)).float(), y) / k).backward()
             for n, p in ref.named_parameters():
                 acc64[n] = acc64.get(n, 0) + p.grad.double()
                 acc64[n + ".abs"] = acc64.get(n + ".abs", 0) + p.grad.double().abs()
                 per_rank[n] = p.grad.float() if n not in per_rank else per_rank[n] + p.grad  # FSDP2's order
         for n, g in per_rank.items():
             acc32[n] = g if n not in acc32 else acc32[n] + g
+    return acc64, acc32
+
+
+def _against_reference(model: nn.Module, acc64: dict, acc32: dict, k: int, ws: int):
+    """``(max error, bit-equal to the fp32 sums, largest bound, every element within its bound, max error / bound)``."""
+    err, equal, bound, within, use = 0.0, True, 0.0, True, 0.0
+    for n, p in model.named_parameters():
+        e = (p.grad.to_local().double() - _local_rows(acc64[n] / ws, p.grad)).abs()
+        b = (k + ws) * 2.0**-24 * _local_rows(acc64[n + ".abs"] / ws, p.grad)
+        err, bound = max(err, float(e.max())), max(bound, float(b.max()))
+        within &= bool((e <= b).all())
+        use = max(use, float((e / b.clamp_min(torch.finfo(torch.float64).tiny)).max()))
+        equal &= torch.equal(p.grad.to_local(), _local_rows(acc32[n] / ws, p.grad))
+    return err, equal, bound, within, use
+
+
+def accumulation_check(micro_batches: int = 4, dim: int = 48, hidden: int = 96, n_blocks: int = 2,
+                       batch: int = 16, seed: int = 0, reps: int = 3) -> AccumulationResult:
+    """K micro-batches per rank with ``set_requires_gradient_sync(False)`` on all but the last, bf16 compute,
+    fp32 reduce; the sharded gradients against single-process accumulation of the same bf16 micro-batch grads.
+    Also bf16 reduce (outside the bound), and fp32 compute (24-bit gradients: the fp32 sums round)."""
+    mesh, dev = world_mesh()
+    rank, ws, k = dist.get_rank(), dist.get_world_size(), micro_batches
+    data = {r: [_batch(seed, r, i, batch, dim, dev) for i in range(k)] for r in range(ws)}
+    refs = {dt: _reference_sums(PitfallNet(dim, hidden, n_blocks, _plain, seed).to(dev, dt), data, k, dt)
+            for dt in (torch.bfloat16, torch.float32)}
     results = {}
-    for reduce_dtype in (torch.float32, torch.bfloat16):
+    for compute, reduce_dtype in ((torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                  (torch.float32, torch.float32)):
         model = PitfallNet(dim, hidden, n_blocks, _plain, seed).to(dev)
-        fully_shard_blocks(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                       reduce_dtype=reduce_dtype))
+        fully_shard_blocks(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce_dtype))
         _accumulated_step(model, data[rank])
-        err, equal, bound, within = 0.0, True, 0.0, True
-        for n, p in model.named_parameters():
-            e = (p.grad.to_local().double() - _local_rows(acc64[n] / ws, p.grad)).abs()
-            b = (k + ws) * 2.0**-24 * _local_rows(acc64[n + ".abs"] / ws, p.grad)
-            err, bound = max(err, float(e.max())), max(bound, float(b.max()))
-            within &= bool((e <= b).all())
-            equal &= torch.equal(p.grad.to_local(), _local_rows(acc32[n] / ws, p.grad))
-        results[reduce_dtype] = (err, equal, bound, within, model)
+        results[compute, reduce_dtype] = (*_against_reference(model, *refs[compute], k, ws), model)
     # time and memory: the supported step, and the same step with full-shape main_grad buffers (pitfall c)
-    model = results[torch.float32][4]
+    model = results[torch.bfloat16, torch.float32][-1]
     mg = PitfallNet(dim, hidden, n_blocks, lambda i, o: MainGradLinear(i, o, lookup="module"), seed).to(dev)
     for _, m in _main_grad_layers(mg):
         m.main_grad = torch.zeros(m.weight.shape, dtype=torch.float32, device=dev)
@@ -326,8 +344,10 @@ def accumulation_check(micro_batches: int = 4, dim: int = 48, hidden: int = 96, 
     timings = {}
     for name, net in (("supported", model), ("main_grad", mg)):
         net.zero_grad(set_to_none=True)
-        with track_peak_memory(dev) as peak:
-            _accumulated_step(net, data[rank])
+        with warnings.catch_warnings():  # one profile per block: torch's note about clearing events between
+            warnings.filterwarnings("ignore", message=".*Profiler clears events")  # cycles does not apply
+            with track_peak_memory(dev) as peak:
+                _accumulated_step(net, data[rank])
         ts = []
         for _ in range(reps):
             net.zero_grad(set_to_none=True)
@@ -338,7 +358,9 @@ def accumulation_check(micro_batches: int = 4, dim: int = 48, hidden: int = 96, 
                 torch.cuda.synchronize(dev)
             ts.append(1e3 * (time.perf_counter() - t0))
         timings[name] = (sorted(ts)[len(ts) // 2], peak.bytes)
-    (err32, equal32, bound32, within32, _), (err16, _, _, within16, _) = results[torch.float32], results[torch.bfloat16]
-    return AccumulationResult(k, err32, bound32, within32, equal32, err16, within16, *timings["supported"],
-                              *timings["main_grad"],
+    err32, equal32, bound32, within32, *_ = results[torch.bfloat16, torch.float32]
+    err16, _, _, within16, *_ = results[torch.bfloat16, torch.bfloat16]
+    err_c, _, bound_c, within_c, use_c, _ = results[torch.float32, torch.float32]
+    return AccumulationResult(k, err32, bound32, within32, equal32, err16, within16, err_c, bound_c, within_c, use_c,
+                              *timings["supported"], *timings["main_grad"],
                               sum(m.main_grad.numel() * 4 for _, m in _main_grad_layers(mg)))
