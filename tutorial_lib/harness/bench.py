@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -361,7 +362,7 @@ def track_peak_memory(device) -> Iterator[PeakMemory]:
         return
     from torch.profiler import ProfilerActivity, profile
 
-    with _quiet_kineto(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield res
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
                      and e.device_type() == torch.autograd.DeviceType.CPU), key=lambda e: e.start_ns())
@@ -376,11 +377,14 @@ def track_peak_memory(device) -> Iterator[PeakMemory]:
 
 
 @contextlib.contextmanager
-def _quiet_kineto() -> Iterator[None]:
-    """Drop the profiler library's "USDT: ... profiler_start/stop" lines from fd 2; keep everything else."""
+def quiet_profiler() -> Iterator[None]:
+    """Around a ``torch.profiler.profile`` block: drop the profiler library's "USDT: ... profiler_start/stop"
+    lines from fd 2 and torch's "Profiler clears events at the end of each cycle" warning (a profiler
+    without a schedule has one cycle); keep everything else."""
     sys.stderr.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as tmp:
+    with tempfile.TemporaryFile(mode="w+b") as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
         os.dup2(tmp.fileno(), 2)
         try:
             yield

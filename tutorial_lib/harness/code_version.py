@@ -24,7 +24,8 @@ import hashlib
 import subprocess
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tutorial_lib.harness.notebooks import REPO_ROOT
+
 SOURCE_DIRS = ("tutorial_lib", "kernels", "benchmarks")
 
 __all__ = ["CodeVersion", "code_version", "source_digest"]

@@ -24,10 +24,8 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -39,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 from tutorial_lib.dist import fsdp2 as fq
 from tutorial_lib.dist import quantized_init as qi
 from tutorial_lib.dist.mesh import world_mesh
-from tutorial_lib.harness.bench import median_ms_all_ranks, track_peak_memory
+from tutorial_lib.harness.bench import median_ms_all_ranks, quiet_profiler, track_peak_memory
 from tutorial_lib.lessons.dtensor import record_quantized_dispatch  # lesson 05: ops reaching QuantizedTensor
 from tutorial_lib.models import BlockMLP, counter_uniform, local_rows
 from tutorial_lib.quant.fallback import FALLBACKS, reset_counters
@@ -272,14 +270,6 @@ def _resident_bytes(model: nn.Module) -> int:
     return total
 
 
-@contextlib.contextmanager
-def _no_profiler_cycle_warning():
-    """Ignore "Profiler clears events at the end of each cycle": a profiler without a schedule has one cycle."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Warning: Profiler clears events", category=UserWarning)
-        yield
-
-
 def init_memory_demo(dim: int = 256, hidden: int = 1024, n_blocks: int = 2, recipe: str = "fp8") -> InitMemoryResult:
     """Peak memory per rank of four ways to initialise the same sharded model (``track_peak_memory``)."""
     mesh, dev = world_mesh()
@@ -295,7 +285,7 @@ def init_memory_demo(dim: int = 256, hidden: int = 1024, n_blocks: int = 2, reci
     variants, params = {}, 0
     for field, (label, make) in makers.items():
         gc.collect()
-        with _no_profiler_cycle_warning(), track_peak_memory(dev) as peak:  # CPU: a profiler
+        with track_peak_memory(dev) as peak:
             model = make()
         variants[field] = InitVariant(label=label, peak=peak.bytes, resident=_resident_bytes(model))
         params = sum(p.numel() for p in model.parameters())
@@ -456,7 +446,7 @@ def _replay(calls: list, dev):
 
 def _allgather_kernel_ms(step, reps: int, dev) -> float:
     """Per-step device time of the NCCL all-gather kernels inside ``reps`` real steps, max over ranks."""
-    with _no_profiler_cycle_warning(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with quiet_profiler(), profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             step()
         torch.cuda.synchronize(dev)
