@@ -10,8 +10,9 @@ each rank holds a *local* tensor::
 Every op on a DTensor first runs DTensor's ``__torch_dispatch__`` (sharding propagation: which
 placements the output has, which collectives the inputs need), then the op on the LOCAL
 tensors. When a local tensor is a :class:`~tutorial_lib.quant.tensor.QuantizedTensor`, that
-second step lands in *its* ``__torch_dispatch__``: views stay quantized, anything else
-(including the functional all-gather inside ``full_tensor()``) falls back to dequantizing::
+second step lands in *its* ``__torch_dispatch__``: ops in its table (views, ``clone``, ``copy_``,
+``detach``, ...) stay quantized, anything else (arithmetic, the functional all-gather inside
+``full_tensor()``) falls back to dequantizing::
 
     dt.t()  ->  DTensor: Shard(0) -> Shard(1)  ->  Float8Tensor: aten.t handler (still FP8)
     dt * 2  ->  DTensor: same placements       ->  Float8Tensor: fallback (plain result)
