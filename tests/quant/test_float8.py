@@ -387,7 +387,7 @@ def test_partial_view_copy_from_quantized_is_raw_when_scales_match_else_requanti
 
 
 def test_adamw_state_is_high_precision_and_the_update_requantizes():
-    """zeros_like must be plain: AdamW's moments kept in FP8 underflow, the parameters turn NaN."""
+    """zeros_like must be plain: AdamW's moments kept in FP8 flush to zero, the update divides by eps alone."""
     p = torch.nn.Parameter(_q((8, 8), scale=32.0))
     ref = torch.nn.Parameter(p.detach().dequantize().clone())
     opt, opt_ref = torch.optim.AdamW([p], lr=1e-2), torch.optim.AdamW([ref], lr=1e-2)

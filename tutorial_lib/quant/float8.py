@@ -95,7 +95,7 @@ class Float8Tensor(QuantizedTensor):
         """Quantize ``x`` with a given ``scale`` (codes = fp8(x * scale)); nominal dtype = ``x.dtype``.
 
         ``scale`` is a positive finite float or 0-d tensor. To choose the scale from the data use a
-        quantizer (``tutorial_lib.quant.per_tensor.CurrentScaling(...).quantize(x)``).
+        quantizer (``tutorial_lib.quant.float8.CurrentScaling(...).quantize(x)``).
         """
         if not isinstance(x, torch.Tensor) or isinstance(x, QuantizedTensor):
             raise TypeError(f"from_high_precision needs a plain tensor, got {type(x).__name__}")
