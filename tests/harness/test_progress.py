@@ -71,17 +71,47 @@ def test_quiet_mode_prints_at_most_one_line_per_interval(monkeypatch):
     for _ in pg.progress(range(12), desc="slow", quiet_after=interval, file=out):
         time.sleep(0.05)
     elapsed = time.monotonic() - start
-    lines = [s for s in out.getvalue().replace("\n", "\r").split("\r") if s.strip()]
-    assert lines and "12/12" in lines[-1], out.getvalue()
+    text = out.getvalue()
+    assert "\r" not in text and text.endswith("\n"), "each line complete: nothing to redraw in a log or a notebook"
+    lines = text.splitlines()
+    assert lines and all(line.strip() for line in lines) and "12/12" in lines[-1], text
     assert len(lines) <= elapsed / interval + 2, (len(lines), elapsed)
 
 
-def test_off_and_bad_interval(monkeypatch):
+def test_a_note_beside_a_shown_quiet_bar_leaves_no_blank_output(monkeypatch, capsys):
+    """A text bar is cleared before a line is printed beside it; a quiet one has no screen to clear."""
+    monkeypatch.setenv(pg.ENV_VAR, "quiet")
+    err = io.StringIO()
+    bar = pg.progress(total=3, desc="ranks", quiet_after=0.01, file=err, miniters=0)
+    time.sleep(0.05)
+    bar.update(1)  # shown: past quiet_after
+    pg.note(bar, "[rank 0] hello")
+    bar.update(2)
+    bar.close()
+    assert capsys.readouterr().out == "[rank 0] hello\n"
+    lines = err.getvalue().split("\n")
+    assert lines[-1] == "" and all(line.strip() for line in lines[:-1]), err.getvalue()
+    assert "1/3" in lines[0] and "3/3" in lines[-2], err.getvalue()
+
+
+def test_line_writer_drops_clears_and_ends_each_redraw():
+    out = io.StringIO()
+    writer = pg.LineWriter(out)
+    for text in ("\rstep 1/3", "\r" + " " * 40 + "\r", "", "\rstep 3/3   ", "\n"):
+        assert writer.write(text) == len(text)
+    assert out.getvalue() == "step 1/3\nstep 3/3\n"
+
+
+def test_off_disabled_and_bad_interval(monkeypatch):
     monkeypatch.setenv(pg.ENV_VAR, "off")
     out = io.StringIO()
     with pg.progress(total=5, file=out) as bar:
         bar.update(5)
     assert bar.disable and out.getvalue() == ""
+    monkeypatch.setenv(pg.ENV_VAR, "text")
+    with pg.progress(total=5, file=out, enabled=False) as bar:
+        bar.update(5)
+    assert bar.disable and out.getvalue() == "", "enabled=False wins over the mode"
     with pytest.raises(ValueError, match="quiet_after"):
         pg.progress(range(3), quiet_after=0)
 

@@ -78,6 +78,8 @@ def _executed(source, tmp_path, *, png_width=600, passed=True, stream="step 1\rs
     plot.outputs = [
         nbformat.v4.new_output("stream", name="stderr", text="sizes:  40%|####      | 2/5 [00:03<00:04]\r"
                                                              "sizes: 100%|##########| 5/5 [00:07<00:00]\n"),
+        nbformat.v4.new_output("stream", name="stderr", text=" " * 100),  # a text bar cleared for a line...
+        nbformat.v4.new_output("stream", name="stderr", text=""),  # ...and what it wrote before redrawing
         nbformat.v4.new_output("stream", name="stdout", text=stream),
         nbformat.v4.new_output("display_data", data={"image/png": _png(png_width, 200), "text/plain": "<Figure>"}),
         nbformat.v4.new_output("display_data", data={"application/vnd.jupyter.widget-view+json": {"model_id": "a"}}),

@@ -494,6 +494,7 @@ def load_results(results_dir: str | Path, stem: str) -> list[dict]:
     return sorted(docs, key=lambda d: d["date"], reverse=True)
 
 if __name__ == "__main__":
-    _root = Path(__file__).resolve().parents[2]
-    changed = update_readme(_root / "README.md", _root / "benchmarks" / "results")
+    from tutorial_lib.harness.code_version import REPO_ROOT
+
+    changed = update_readme(REPO_ROOT / "README.md", REPO_ROOT / "benchmarks" / "results")
     print("README benchmark table " + ("updated" if changed else "already up to date"))

@@ -24,8 +24,10 @@ import hashlib
 import subprocess
 from pathlib import Path
 
-from tutorial_lib.harness.notebooks import REPO_ROOT
-
+# the checkout (or installed tree) this package sits in; notebooks, render and bench take it from here. Defined
+# in this leaf, not in ``notebooks``: importing ``tutorial_lib`` imports this module (through ``bench``), and a
+# module imported by the package cannot also run cleanly as ``python -m tutorial_lib.harness.notebooks``.
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = ("tutorial_lib", "kernels", "benchmarks")
 
 __all__ = ["CodeVersion", "code_version", "source_digest"]

@@ -32,10 +32,10 @@ from pathlib import Path
 import nbformat
 
 from tutorial_lib.harness.checks import PASS_MARK, SelfCheckError
+from tutorial_lib.harness.code_version import REPO_ROOT
 from tutorial_lib.harness.exercises import ExerciseError, raise_if_unchecked, with_solutions
 from tutorial_lib.harness.progress import ENV_VAR as PROGRESS_ENV
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
 DEFAULT_OUT = REPO_ROOT / "output"
 KERNEL_NAME = "python3"

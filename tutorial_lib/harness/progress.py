@@ -14,7 +14,9 @@ One call, :func:`progress`, returns a ``tqdm`` bar whose kind depends on where t
 
 An executed notebook keeps every stream message as an output of its own, so a bar refreshed ten
 times a second would leave hundreds of outputs in a papermill run; a widget would leave its state in
-the notebook's metadata. Quiet mode leaves at most one line per ``quiet_after`` seconds of work.
+the notebook's metadata. Quiet mode leaves at most one line per ``quiet_after`` seconds of work, and
+writes each as a complete line (:class:`LineWriter`): there is no screen to redraw in place there, so
+a carriage return or a clear would only leave a blank output or a run-on line in a log.
 ``TUTORIAL_PROGRESS=widget|text|quiet|off`` overrides the choice.
 
 Example::
@@ -76,8 +78,30 @@ def progress_mode() -> str:
     return "text" if stream is not None and hasattr(stream, "isatty") and stream.isatty() else "quiet"
 
 
+class LineWriter:
+    """A file for quiet bars: each redraw of the bar becomes one line; clears and blank lines are dropped.
+
+    ``tqdm`` redraws a bar in place (``"\\r" + text``), clears it with spaces before a :func:`note`, and
+    ends it with a newline. Written as they are into a notebook output or a log, the redraws run on as
+    one line and the clears become blank outputs; through this writer only the non-blank texts arrive,
+    each ended by a newline.
+    """
+
+    def __init__(self, file):
+        self.file = file
+
+    def write(self, text: str) -> int:
+        for part in text.replace("\n", "\r").split("\r"):
+            if part.strip():
+                self.file.write(part.rstrip() + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        getattr(self.file, "flush", lambda: None)()
+
+
 def progress(iterable: Iterable | None = None, *, total: int | None = None, desc: str | None = None,
-             unit: str = "it", quiet_after: float = 30.0, **kwargs) -> std.tqdm:
+             unit: str = "it", quiet_after: float = 30.0, enabled: bool = True, **kwargs) -> std.tqdm:
     """A ``tqdm`` bar over ``iterable`` (or a manual one with ``total``), of the kind :func:`progress_mode` picks.
 
     Args:
@@ -86,15 +110,16 @@ def progress(iterable: Iterable | None = None, *, total: int | None = None, desc
         desc: the label in front of the bar.
         unit: what one step is called ("size", "rank", "lesson").
         quiet_after: in quiet mode, seconds of work before the first line and between two lines.
+        enabled: ``False`` makes a disabled bar whatever the mode (e.g. on every rank but one).
         kwargs: passed on to ``tqdm`` (they override the mode's settings).
 
     Returns:
         the bar; iterate over it, or use it as a context manager and call ``update``. In mode "off"
-        it is a disabled bar that prints nothing.
+        (or with ``enabled=False``) it is a disabled bar that prints nothing.
     """
     if quiet_after <= 0:
         raise ValueError(f"quiet_after must be > 0 seconds, got {quiet_after}")
-    mode = progress_mode()
+    mode = progress_mode() if enabled else "off"
     options = dict(total=total, desc=desc, unit=unit)
     if mode == "widget":
         from tqdm.notebook import tqdm as widget_tqdm
@@ -105,7 +130,8 @@ def progress(iterable: Iterable | None = None, *, total: int | None = None, desc
     if mode == "quiet":
         quiet = {"delay": quiet_after, "mininterval": quiet_after, "maxinterval": max(quiet_after, 10.0),
                  "ncols": 100, "file": sys.stderr}
-        return std.tqdm(iterable, **{**options, **quiet, **kwargs})
+        merged = {**options, **quiet, **kwargs}
+        return std.tqdm(iterable, **{**merged, "file": LineWriter(merged["file"])})
     return std.tqdm(iterable, **{**options, "disable": True, **kwargs})
 
 

@@ -146,9 +146,9 @@ def clean_for_reading(nb) -> tuple[int, int, int]:
     """Clean an executed notebook in place for a rendered copy; return (images, images scaled, lines cut).
 
     Drops run metadata (papermill's timings and absolute paths, per-cell execution timestamps, widget
-    state), progress-bar output and widget views; collapses carriage returns; makes the checkout's paths
-    in printed text relative to it (:func:`repo_relative`); scales and re-compresses PNGs; cuts text
-    outputs longer than MAX_STREAM_LINES lines.
+    state), progress-bar output, blank stderr output and widget views; collapses carriage returns; makes
+    the checkout's paths in printed text relative to it (:func:`repo_relative`); scales and re-compresses
+    PNGs; cuts text outputs longer than MAX_STREAM_LINES lines.
     """
     nb.metadata.pop("papermill", None)
     nb.metadata.pop("widgets", None)
@@ -161,8 +161,8 @@ def clean_for_reading(nb) -> tuple[int, int, int]:
         kept = []
         for out in cell.outputs:
             if out.output_type == "stream":
-                if _is_progress(out.text):
-                    continue
+                if _is_progress(out.text) or (out.name == "stderr" and not out.text.strip()):
+                    continue  # a bar's redraws, and the blanks it leaves when cleared for a line beside it
                 out.text, n = _cut(repo_relative(_collapse_carriage_returns(out.text)))
                 cut += n
             elif out.output_type in ("display_data", "execute_result"):

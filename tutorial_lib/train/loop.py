@@ -262,7 +262,7 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     losses, val_losses, checkpoints, rates, step_times = [], {}, [], [], []
     pending = []  # this interval's per-step losses, on the device (no host sync per step)
     quiet = rank != 0 or not cfg.progress  # one bar per job, of the kind that suits where it runs
-    bar = progress(total=cfg.steps, initial=start, desc=cfg.fmt, unit="step", **({"disable": True} if quiet else {}))
+    bar = progress(total=cfg.steps, initial=start, desc=cfg.fmt, unit="step", enabled=not quiet)
     _sync(dev)
     t0, n_timed = time.perf_counter(), 0
     for step in range(start, cfg.steps):
