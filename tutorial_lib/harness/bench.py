@@ -58,7 +58,7 @@ from tutorial_lib.harness.kernel_ranges import kernel_time_by_range
 
 
 def bench_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 20) -> float:
-    """Median milliseconds of ``fn()``: ``triton.testing.do_bench`` on CUDA, wall clock on CPU."""
+    """Median ms of ``fn()``: ``do_bench`` if CUDA is present (its own warm-up and reps), else ``rep`` timed calls."""
     if torch.cuda.is_available():
         import triton.testing
 
