@@ -59,7 +59,9 @@ def test_quantized_local_shards_fused_fp8_and_requantize_share_scales_across_ran
     assert [r.local_rows for r in out] == [5, 4]  # 9 rows over 2 ranks: uneven
     for r in out:
         assert r.routes == ["fp8_fused", "requantize"]
-        assert r.max_master_err <= 1e-6  # masters start from the preserved fp32 shard, not the FP8 bytes
+        assert r.steps == 3 and 1.0 < r.max_abs_master < 10.0  # randn weights, a few small steps
+        # 4 fp32 ulps of max |master| per step; a master seeded from the FP8 bytes would be ~1e-2 off
+        assert r.max_master_err <= r.steps * 4 * torch.finfo(torch.float32).eps * r.max_abs_master
         assert r.fp8_bytes_equal_quantize_of_master
         assert r.state_is_dtensor and r.hp_init_consumed
     assert out[0].scale_inv_per_step == out[1].scale_inv_per_step  # amax all-reduced: one scale

@@ -210,6 +210,8 @@ class QuantizedStep:
     routes: list[str]  # FusedAdam's route per parameter: ["fp8_fused", "requantize"]
     local_rows: int  # rows of this rank's shard (uneven: 9 rows over 2 ranks -> 5 and 4)
     max_master_err: float  # max |FusedAdam master - reference AdamW on the fp32 shard| over all steps
+    max_abs_master: float  # max |reference master| over all steps: the scale of one fp32 ulp in that error
+    steps: int  # optimizer steps taken
     fp8_bytes_equal_quantize_of_master: bool  # every step: fused FP8 bytes == quantize(master, scale in force)
     current_bytes_equal_quantize_of_master: bool  # every step: the current-scaled weight's bytes and scale_inv ==
     # CurrentScaling(group=WORLD).quantize(its new master): the all-reduced amax of all shards
@@ -255,7 +257,7 @@ def quantized_dtensor_step(steps: int = 3, lr: float = 1e-2, rows: int = 9, cols
     masters = [shard(w) for w in full]
     ms = [torch.zeros_like(x) for x in masters]
     vs = [torch.zeros_like(x) for x in masters]
-    max_master_err, bytes_equal, current_equal, scales = 0.0, True, True, []
+    max_master_err, max_abs_master, bytes_equal, current_equal, scales = 0.0, 0.0, True, True, []
     for step in range(1, steps + 1):
         scale_in_force = quantizers[0].scale.to(dev).clone()
         for i, p in enumerate(params):
@@ -268,6 +270,7 @@ def quantized_dtensor_step(steps: int = 3, lr: float = 1e-2, rows: int = 9, cols
             master = opt.state[p]["master_param"].to_local()
             if master.numel():
                 max_master_err = max(max_master_err, (master - masters[i]).abs().max().item())
+                max_abs_master = max(max_abs_master, masters[i].abs().max().item())
         local = params[0].to_local()
         master = opt.state[params[0]]["master_param"].to_local()
         bytes_equal &= torch.equal(local.raw_buffers()["data"], quantize_per_tensor(master, scale_in_force, "e4m3"))
@@ -280,6 +283,8 @@ def quantized_dtensor_step(steps: int = 3, lr: float = 1e-2, rows: int = 9, cols
         routes=opt.routes()[0],
         local_rows=params[0].to_local().shape[0],
         max_master_err=max_master_err,
+        max_abs_master=max_abs_master,
+        steps=steps,
         fp8_bytes_equal_quantize_of_master=bool(bytes_equal),
         current_bytes_equal_quantize_of_master=bool(current_equal),
         scale_inv_per_step=scales,
