@@ -133,11 +133,11 @@ def test_gpu_test_arguments_are_accepted():
 
 
 def test_benchmark_table_matches_recorded_results():
-    from tutorial_lib.harness.bench import README_END, README_START, results_markdown
+    from tutorial_lib.harness.bench_report import README_END, README_START, results_markdown
 
     block = README.split(README_START, 1)[1].split(README_END, 1)[0].strip()
     assert block == results_markdown(ROOT / "benchmarks" / "results").strip(), (
-        "README's benchmark table is stale: run `python -m tutorial_lib.harness.bench`"
+        "README's benchmark table is stale: run `python -m tutorial_lib.harness.bench_report`"
     )
 
 

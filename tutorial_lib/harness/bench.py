@@ -7,7 +7,7 @@ Fair peers: a GPU's (and a host's) speed drifts from minute to minute, so two me
 different moments compare the moments as much as the code. :func:`alternating_case` times ours
 and every peer in ROUNDS, taking turns in alternating order (:func:`time_rounds`), and records
 each one's median with its spread (min and max over the rounds) and the round-by-round ratio of
-the best peer to ours (median, min, max). The README table (:func:`results_markdown`) shows
+the best peer to ours (median, min, max). The README table (``bench_report.results_markdown``) shows
 ranges over rounds and over every recorded run of a case, never one number alone.
 
 Example::
@@ -51,8 +51,6 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-# the README table lives in its own module; re-exported here (``python -m tutorial_lib.harness.bench``)
-from tutorial_lib.harness.bench_report import README_END, README_START, results_markdown, update_readme  # noqa: F401
 from tutorial_lib.harness.code_version import code_version
 from tutorial_lib.harness.kernel_ranges import kernel_time_by_range
 
@@ -492,9 +490,3 @@ def load_results(results_dir: str | Path, stem: str) -> list[dict]:
     paths = sorted(Path(results_dir).glob(f"{stem}-*.json"), reverse=True)
     docs = [json.loads(p.read_text()) for p in paths]
     return sorted(docs, key=lambda d: d["date"], reverse=True)
-
-if __name__ == "__main__":
-    from tutorial_lib.harness.code_version import REPO_ROOT
-
-    changed = update_readme(REPO_ROOT / "README.md", REPO_ROOT / "benchmarks" / "results")
-    print("README benchmark table " + ("updated" if changed else "already up to date"))
