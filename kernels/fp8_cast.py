@@ -43,6 +43,11 @@ Amax: an integer max over the fp32 bits of ``|x|`` (non-negative floats order li
 bits, NaN > inf), per program with ``tl.max`` and across programs with ``tl.atomic_max``
 on an int32 buffer -- deterministic and NaN-propagating (a float max would drop NaN).
 
+Interpreter: the persistent recast kernels walk their blocks with a ``while`` loop there (a
+constexpr ``INTERPRETED`` picks it; compiled kernels keep the ``for``). The interpreter of Triton 3.6
+and older holds a program id as a 1-element array, which ``range()`` converts with ``int()`` -- and
+numpy 2.4 refuses that for arrays that are not 0-d; ``while`` only asks for a truth value.
+
 Example::
 
     import tutorial_kernels.fp8_cast as k
@@ -167,16 +172,24 @@ def _cast_scaled_kernel(x_ptr, out_ptr, scale_ptr, scale_inv_ptr, amax_bits_ptr,
 
 @triton.jit
 def _recast_kernel(x_ptr, out_ptr, amax_ptr, guess_ptr, scale_ptr, scale_inv_ptr, n, amax_eps,
-                   FMT: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr):
+                   FMT: tl.constexpr, POW2: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr = False):
     """Speculative second step: nothing to do unless the true scale differs from the guess."""
     scale = _publish_scale(amax_ptr, scale_ptr, scale_inv_ptr, amax_eps, FMT, POW2)
     pid = tl.program_id(0)
     if scale != tl.load(guess_ptr):  # also true for a NaN scale: the bytes become NaN
         num_blocks = tl.cdiv(n, BLOCK)
-        for b in range(pid, num_blocks, tl.num_programs(0)):  # persistent grid: few programs
-            base, idx = _block_offsets(b, BLOCK)
-            x = widen_to_fp32(_load(x_ptr, base, idx, n, BLOCK))
-            _store(out_ptr, base, idx, encode_fp8(x * scale, FMT), n, BLOCK)
+        if INTERPRETED:  # the same walk as a while loop (the module's "Interpreter" paragraph)
+            b = pid
+            while b < num_blocks:
+                base, idx = _block_offsets(b, BLOCK)
+                x = widen_to_fp32(_load(x_ptr, base, idx, n, BLOCK))
+                _store(out_ptr, base, idx, encode_fp8(x * scale, FMT), n, BLOCK)
+                b += tl.num_programs(0)
+        else:
+            for b in range(pid, num_blocks, tl.num_programs(0)):  # persistent grid: few programs
+                base, idx = _block_offsets(b, BLOCK)
+                x = widen_to_fp32(_load(x_ptr, base, idx, n, BLOCK))
+                _store(out_ptr, base, idx, encode_fp8(x * scale, FMT), n, BLOCK)
 
 
 @triton.jit
@@ -230,14 +243,21 @@ def _cast_scaled_transpose_kernel(x_ptr, out_ptr, out_t_ptr, scale_ptr, amax_bit
 
 @triton.jit
 def _recast_transpose_kernel(x_ptr, out_ptr, out_t_ptr, amax_ptr, guess_ptr, scale_ptr, scale_inv_ptr, M, K, amax_eps,
-                             FMT: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+                             FMT: tl.constexpr, POW2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                             INTERPRETED: tl.constexpr = False):
     """Speculative second step, both layouts: rewrite every tile only if the true scale is not the guess."""
     scale = _publish_scale(amax_ptr, scale_ptr, scale_inv_ptr, amax_eps, FMT, POW2)
     pid = tl.program_id(0)
     if scale != tl.load(guess_ptr):  # also true for a NaN scale: the bytes become NaN
         n_tiles = tl.cdiv(M, BM) * tl.cdiv(K, BK)
-        for t in range(pid, n_tiles, tl.num_programs(0)):  # persistent grid: few programs
-            _cast_tile(x_ptr, out_ptr, out_t_ptr, M, K, scale, t, FMT, BM, BK)
+        if INTERPRETED:  # the same walk as a while loop (the module's "Interpreter" paragraph)
+            t = pid
+            while t < n_tiles:
+                _cast_tile(x_ptr, out_ptr, out_t_ptr, M, K, scale, t, FMT, BM, BK)
+                t += tl.num_programs(0)
+        else:
+            for t in range(pid, n_tiles, tl.num_programs(0)):  # persistent grid: few programs
+                _cast_tile(x_ptr, out_ptr, out_t_ptr, M, K, scale, t, FMT, BM, BK)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -323,7 +343,7 @@ def cast_current_scaling(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: boo
             reduce_amax(a)
         _recast_kernel[(min(grid[0], _persistent_programs(dev)),)](
             x, data, a, guess, scale, scale_inv, n, amax_eps, FMT=fmt, POW2=pow2_scales, BLOCK=block,
-            num_warps=num_warps)
+            INTERPRETED=interpreted(), num_warps=num_warps)
     return CastResult(data, scale, scale_inv, a)
 
 
@@ -387,7 +407,7 @@ def cast_current_scaling_with_transpose(x: torch.Tensor, fmt: str = "e4m3", *, p
             reduce_amax(a)
         _recast_transpose_kernel[(min(grid[0], _persistent_programs(dev)),)](
             x, data, data_t, a, guess, scale, scale_inv, m, k, amax_eps, FMT=fmt, POW2=pow2_scales, BM=side, BK=side,
-            num_warps=warps)
+            INTERPRETED=interpreted(), num_warps=warps)
     return CastResult(data, scale, scale_inv, a), data_t
 
 

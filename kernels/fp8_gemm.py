@@ -58,7 +58,12 @@ held in lockstep by CTA-wide barriers. Two ways get it:
 
 Interpreter (CPU): Triton's interpreter gets low-precision ``tl.dot`` wrong, so there the codes
 are decoded to fp32 (``tutorial_kernels.fp8_round.decode_fp8``, exact) and multiplied with an fp32
-``ieee`` dot; one small fixed config.
+``ieee`` dot; one small fixed config. Its loops never take a runtime value as a ``range`` bound:
+the interpreter of Triton 3.6 and older holds a scalar argument or program id as a 1-element array,
+which ``range`` converts with ``int()`` -- and numpy 2.4 refuses that for arrays that are not 0-d.
+So there the k-block count arrives as the constexpr ``K_BLOCKS``, used where it is read (the
+interpreter turns every assigned value into such an array) and the persistent walk is a ``while``
+loop; the compiled kernel is unchanged.
 
 The weight gradient's GEMM (``b_block=(1, 128)``): dW = dy.T @ x contracts over the tokens, so both of
 its operands are activation-like, quantized in 1x128 blocks along the tokens -- ``b`` carries a scale
@@ -170,7 +175,7 @@ def _store_tile(c_ptr, bias_ptr, acc, rows, cols, M, N, OUT_BF16: tl.constexpr, 
 def _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, bias_ptr, M, N, K,
                s_am, s_ak, s_bn, s_bk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
                USE_TMA: tl.constexpr, INTERPRETED: tl.constexpr, OUT_BF16: tl.constexpr, WS: tl.constexpr,
-               B_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr):
+               B_ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, K_BLOCKS: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of out. BLOCK_N = 256 is two 128-wide halves (two weight tiles), each
     with its own dot, scale and accumulator: a [BLOCK_M, 128] dot result is all that is ever live next
     to the accumulators."""
@@ -198,7 +203,9 @@ def _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, bias_p
     acc = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
     if BLOCK_N == 256:
         acc1 = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-    for kb in tl.range(0, K // 128, warp_specialize=WS):  # WS: producer warp + two consumer warpgroups
+    # K_BLOCKS: the interpreter's k-block count, a Python int (the module's "Interpreter" paragraph);
+    # WS: a producer warp and two consumer warpgroups
+    for kb in tl.range(0, K_BLOCKS if INTERPRETED else K // 128, warp_specialize=WS):
         a = _load_tile(a_ptrs, a_desc, a_row0, kb, USE_TMA)
         sa = tl.load(sa_ptrs + kb * s_ak)
         b = _load_tile(b_ptrs, b_desc, col0, kb, USE_TMA)
@@ -218,9 +225,11 @@ def _blockwise_fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, bias_ptr, M,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
                                USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr, OCCUPANCY: tl.constexpr,
                                INTERPRETED: tl.constexpr, OUT_BF16: tl.constexpr, WS: tl.constexpr = False,
-                               B_ROWS: tl.constexpr = False, HAS_BIAS: tl.constexpr = False):
+                               B_ROWS: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
+                               K_BLOCKS: tl.constexpr = 0):
     """Non-persistent: program i computes tile i. PERSISTENT: OCCUPANCY programs per SM (the launcher sizes
-    the grid from it; the kernel only strides by the grid) each walk the tiles."""
+    the grid from it; the kernel only strides by the grid) each walk the tiles. ``K_BLOCKS`` (K // 128) is
+    read by the interpreter only; compiled kernels take the count from the runtime ``K``."""
     if USE_TMA:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1],
                                          block_shape=[BLOCK_M, 128])
@@ -229,15 +238,24 @@ def _blockwise_fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, bias_ptr, M,
     else:
         a_desc = a_ptr
         b_desc = b_ptr
-    if PERSISTENT:
+    if PERSISTENT and INTERPRETED:  # the same walk as a while loop (see the module's "Interpreter" paragraph)
+        num_tiles = tl.cdiv(M, BLOCK_M) * (N // BLOCK_N)
+        tile = tl.program_id(0)
+        while tile < num_tiles:
+            _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, bias_ptr, M, N, K, s_am, s_ak,
+                       s_bn, s_bk, BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16, WS, B_ROWS, HAS_BIAS,
+                       K_BLOCKS)
+            tile += tl.num_programs(0)
+    elif PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * (N // BLOCK_N)
         for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
             _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, bias_ptr, M, N, K, s_am, s_ak,
-                       s_bn, s_bk, BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16, WS, B_ROWS, HAS_BIAS)
+                       s_bn, s_bk, BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16, WS, B_ROWS, HAS_BIAS,
+                       K_BLOCKS)
     else:
         _gemm_tile(tl.program_id(0), a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, bias_ptr, M, N, K,
                    s_am, s_ak, s_bn, s_bk, BLOCK_M, BLOCK_N, GROUP_M, USE_TMA, INTERPRETED, OUT_BF16, WS, B_ROWS,
-                   HAS_BIAS)
+                   HAS_BIAS, K_BLOCKS)
 
 
 # --------------------------------------------------------------------------- configs
@@ -424,7 +442,7 @@ def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: 
     args = (a, a_scale_inv, b, b_scale_inv, out, out if bias is None else bias, M, N, K, a_scale_inv.stride(0),
             a_scale_inv.stride(1), b_scale_inv.stride(0), b_scale_inv.stride(1))
     flags = {"INTERPRETED": interp, "OUT_BF16": out_dtype == torch.bfloat16, "B_ROWS": tuple(b_block) == (1, 128),
-             "HAS_BIAS": bias is not None}
+             "HAS_BIAS": bias is not None, **({"K_BLOCKS": K // 128} if interp else {})}
 
     def grid(meta):
         tiles = triton.cdiv(M, meta["BLOCK_M"]) * (N // meta["BLOCK_N"])

@@ -377,7 +377,7 @@ out = {
                   "n": "i64"}, {"FMT": "e5m2", "WRITE_SCALE_INV": True, "BLOCK": 4096}),
     "recast": ptx(k._recast_kernel, {**x, "amax_ptr": "*fp32", "guess_ptr": "*fp32", "scale_ptr": "*fp32",
                   "scale_inv_ptr": "*fp32", "n": "i64", "amax_eps": "fp32"},
-                  {"FMT": "e4m3", "POW2": True, "BLOCK": 4096}),
+                  {"FMT": "e4m3", "POW2": True, "BLOCK": 4096, "INTERPRETED": False}),
     "dequantize": ptx(k._dequantize_kernel, {"q_ptr": "*u8", "out_ptr": "*bf16", "scale_inv_ptr": "*fp32", "n": "i64"},
                       {"FMT": "e4m3", "OUT_BF16": True, "BLOCK": 4096}),
 }
@@ -397,7 +397,7 @@ out["scaled_transpose"] = ptx2(k._cast_scaled_transpose_kernel, {**xt, "scale_pt
                                **mk}, {"FMT": "e5m2", **tiles})
 out["recast_transpose"] = ptx2(k._recast_transpose_kernel, {**xt, "amax_ptr": "*fp32", "guess_ptr": "*fp32",
                                "scale_ptr": "*fp32", "scale_inv_ptr": "*fp32", **mk, "amax_eps": "fp32"},
-                               {"FMT": "e4m3", "POW2": True, **tiles})
+                               {"FMT": "e4m3", "POW2": True, **tiles, "INTERPRETED": False})
 json.dump(out, sys.stdout)
 """
 

@@ -233,7 +233,7 @@ sig = {"a_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "b_ptr": "*fp8e4nv", "sb_ptr": "*
 out = {}
 for tma in (False, True):
     consts = {"BLOCK_M": 128, "BLOCK_N": 128, "GROUP_M": 8, "USE_TMA": tma, "PERSISTENT": False, "OCCUPANCY": 1,
-              "INTERPRETED": False, "OUT_BF16": True, "WS": False, "B_ROWS": False, "HAS_BIAS": False}
+              "INTERPRETED": False, "OUT_BF16": True, "WS": False, "B_ROWS": False, "HAS_BIAS": False, "K_BLOCKS": 0}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n].startswith("*") or n in "NK"}
     src = ASTSource(fn=k._blockwise_fp8_gemm_kernel, signature={**sig, **{c: "constexpr" for c in consts}},
                     constexprs=consts, attrs=attrs)
