@@ -19,7 +19,7 @@ identity ``autograd.Function`` (forward + backward) measures what any custom lay
 does anything, and ``torch.zeros`` of a 0-d tensor what each cast's amax buffer costs.
 
     python benchmarks/bench_host_overhead.py            # one GPU, results into benchmarks/results/
-    python benchmarks/bench_host_overhead.py --quick    # CPU: every case runs (no spin kernel), temp dir
+    python benchmarks/bench_host_overhead.py --quick    # small sizes, temp dir (on a CPU: no spin kernel)
 
 On the CPU the "host time" is the whole call (there is no device to overlap with): a ``--quick`` run
 checks that the script works, and measures nothing about GPUs.
@@ -39,7 +39,7 @@ import triton
 from tutorial_kernels.fp8_cast import cast_current_scaling_with_transpose as fused_cast
 from tutorial_kernels.transpose import _transpose_kernel, transpose
 
-from tutorial_lib.harness.bench import benchmark_args, copy_bandwidth_GBps, write_results
+from tutorial_lib.harness.bench import benchmark_args, benchmark_device, copy_bandwidth_GBps, write_results
 from tutorial_lib.matmul.fp8_linear import Fp8Linear
 from tutorial_lib.quant.float8 import CurrentScaling
 
@@ -173,7 +173,7 @@ def _compiled_launch(codes: torch.Tensor):
 
 def child(quick: bool, calls: int, rounds: int) -> None:
     """Measure every case in this process (its environment fixed) and print them as one JSON line."""
-    device = torch.device("cuda" if (torch.cuda.is_available() and not quick) else "cpu")
+    device = benchmark_device(quick)  # the GPU where there is one (compiled kernels take GPU tensors), quick or not
     result = {name: host_us_per_call(fn, device, calls, rounds) for name, fn in cases(device, quick).items()}
     print("RESULT " + json.dumps(result))
 

@@ -35,6 +35,24 @@ def nb_settings(request):
     }
 
 
+@pytest.fixture(scope="session")
+def launch_device(request):
+    """``launch_device(world_size)``: the resolved ``--nb-device`` for a launch of ``world_size`` ranks.
+
+    CUDA ranks need one GPU each: on a machine with fewer GPUs the test is skipped with the reason
+    (``--nb-device cpu`` runs it there on gloo ranks), rather than failing in ``launch``'s check."""
+    from tutorial_lib.dist.runtime import resolve_device
+
+    def get(world_size: int = 2) -> torch.device:
+        device = resolve_device(request.config.getoption("--nb-device"))
+        if device.type == "cuda" and torch.cuda.device_count() < world_size:
+            pytest.skip(f"needs {world_size} GPUs (one per rank), {torch.cuda.device_count()} visible; "
+                        "--nb-device cpu runs it on gloo ranks")
+        return device
+
+    return get
+
+
 @pytest.fixture
 def one_thread():
     """In-process reference runs next to spawned ranks: one thread, so they don't oversubscribe the cores."""

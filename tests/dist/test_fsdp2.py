@@ -26,7 +26,6 @@ import torch
 
 from tutorial_lib.dist.fsdp2 import attach_fsdp2_hooks, hook_form, installed_pre_all_gather_form
 from tutorial_lib.dist.launcher import launch, run_sequence
-from tutorial_lib.dist.runtime import resolve_device
 from tutorial_lib.lessons.fsdp2_quantized_init import allgather_demo, pitfall_demo, train_compare
 from tutorial_lib.quant.float8 import CurrentScaling
 
@@ -53,7 +52,7 @@ UNEVEN = ("fp8 uneven",)  # in a launch of its own: a failure there (e.g. fully_
 
 
 def _run(request, names):
-    device = resolve_device(request.config.getoption("--nb-device"))  # CPU in CI; 2 GPUs where present
+    device = request.getfixturevalue("launch_device")(WS)  # CPU in CI; 2 GPUs where present
     ranks = launch(run_sequence, world_size=WS, device=device, args=([SCENARIOS[n] for n in names],), timeout=400,
                    echo=False)
     return [dict(zip(names, r)) for r in ranks]

@@ -20,7 +20,6 @@ from tutorial_lib.dist.quantized_init import (
     quantize_params_,
     quantize_params_on_meta_,
 )
-from tutorial_lib.dist.runtime import resolve_device
 from tutorial_lib.harness.bench import track_peak_memory
 from tutorial_lib.lessons.fsdp2_quantized_init import init_memory_demo
 from tutorial_lib.models import BlockMLP
@@ -170,8 +169,8 @@ def test_track_peak_memory_on_cpu_is_exact():
 
 
 @pytest.mark.distributed
-def test_quantized_meta_init_peak_is_below_bf16_init(request):
-    device = resolve_device(request.config.getoption("--nb-device"))  # CPU in CI; 2 GPUs where present
+def test_quantized_meta_init_peak_is_below_bf16_init(launch_device):
+    device = launch_device(2)  # CPU in CI; 2 GPUs where present
     # large enough that the generator's chunk buffers (chunk_elems: 0.2 MB CPU, 25 MB GPU) stay small next to it
     dim, hidden, n_blocks = (256, 1024, 2) if device.type == "cpu" else (2048, 8192, 2)
     res = launch(init_memory_demo, world_size=2, device=device, args=(dim, hidden, n_blocks), timeout=240,

@@ -354,12 +354,14 @@ def test_a_training_checkpoint_with_fused_adam_loads_exactly(tmp_path, one_threa
     """The project's own non-tensor leaves (FusedAdam's param_groups) are plain data: weights_only loads them."""
     def build(seed, **hyper):
         torch.manual_seed(seed)
-        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(dev)
         return model, FusedAdam(model.parameters(), **hyper)
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # FusedAdam's kernels: compiled for GPU tensors
 
     model, opt = build(0, lr=1e-2, betas=(0.8, 0.95), weight_decay=0.1)
     for _ in range(2):
-        model(torch.randn(5, 8)).square().mean().backward()
+        model(torch.randn(5, 8, device=dev)).square().mean().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     save_checkpoint({"app": TrainingState(model, opt)}, tmp_path / "ckpt")

@@ -30,7 +30,10 @@ def _purelib(python: Path) -> Path:
 def test_bootstrap_reuses_the_torch_of_a_parent_virtual_environment(tmp_path):
     parent = tmp_path / "parent"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(parent)], check=True)
-    (_purelib(parent / "bin" / "python") / "borrowed_torch.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # this run's site-packages, and torch's own directory where that differs (an environment that itself
+    # borrows torch through a .pth file, as a project environment on a GPU image does)
+    borrowed = dict.fromkeys([sysconfig.get_paths()["purelib"], str(Path(torch.__file__).resolve().parents[1])])
+    (_purelib(parent / "bin" / "python") / "borrowed_torch.pth").write_text("".join(d + "\n" for d in borrowed))
     child = tmp_path / "child"
     env = {k: v for k, v in os.environ.items() if k not in ("TORCH_SPEC", "VIRTUAL_ENV", "PYTHONPATH")}
     env["PYTHON"] = str(parent / "bin" / "python")

@@ -5,6 +5,7 @@ import pytest
 import torch
 from tutorial_kernels.transpose import transpose
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels take GPU tensors; the interpreter CPU ones
 
 @pytest.mark.parametrize("shape", [(1, 1), (70, 33), (128, 64), (129, 200)])
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32])
@@ -13,6 +14,7 @@ def test_transpose_equals_torch_bit_for_bit(shape, dtype):
     x = torch.randint(0, 256, shape, dtype=torch.uint8, generator=g)
     if dtype != torch.uint8:
         x = torch.randn(shape, generator=g).to(dtype)
+    x = x.to(DEV)
     out = transpose(x, block=32)
     assert out.shape == (shape[1], shape[0]) and out.is_contiguous() and out.dtype == dtype
     assert torch.equal(out.view(-1).view(torch.uint8), x.t().contiguous().view(-1).view(torch.uint8))

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from tutorial_lib.dist.launcher import launch, run_sequence
-from tutorial_lib.dist.runtime import resolve_device
 from tutorial_lib.lessons import dtensor as db
 from tutorial_lib.models import BlockMLP, counter_uniform, local_rows, shard_rows
 
@@ -123,8 +122,8 @@ def test_models_with_the_same_seed_are_identical():
 
 
 @pytest.fixture(scope="module")
-def lesson05(request):
-    device = resolve_device(request.config.getoption("--nb-device"))  # CPU in CI; 2 GPUs where present
+def lesson05(launch_device):
+    device = launch_device(2)  # CPU in CI; 2 GPUs where present
     calls = [(db.placements_demo, {"rows": 4, "cols": 6}), (db.redistribute_demo, {}),
              (db.quantized_dtensor_demo, {"rows": 8, "cols": 16}), (db.init_pitfall_demo, {"dim": 8, "hidden": 6})]
     ranks = launch(run_sequence, world_size=2, device=device, args=(calls,), timeout=240, echo=False)

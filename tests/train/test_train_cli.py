@@ -21,12 +21,13 @@ from tutorial_lib.train.metrics import read_metrics
 pytestmark = pytest.mark.distributed
 
 STEPS = 8
-ARGS = ["--format", "fp8_delayed", "--steps", str(STEPS), "--lr", "5e-3", "--warmup", "2", "--log-every", "2",
-        "--eval-every", "4", "--no-progress", "--timeout", "120"]
+ARGS = ["--device", "cpu", "--format", "fp8_delayed", "--steps", str(STEPS), "--lr", "5e-3", "--warmup", "2",
+        "--log-every", "2", "--eval-every", "4", "--no-progress", "--timeout", "120"]
 
 
 def _env():
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+           "TRITON_INTERPRET": "1"}  # CPU ranks on a GPU machine too: kernels in the interpreter
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     return env
@@ -115,6 +116,15 @@ def test_clear_errors(tmp_path):
     # 128x128 weight tiles: the tiny model's 128-row weights cannot be split over 2 ranks in whole tiles
     r = _run(_torchrun(2, tmp_path / "y", "--format", "fp8_128x128"))
     assert r.returncode != 0 and "a shard boundary would cut through a block" in r.stderr + r.stdout, r.stderr[-3000:]
+
+
+def test_cpu_ranks_next_to_compiled_kernels_are_refused_clearly(monkeypatch):
+    """On a GPU machine the kernels are compiled at import; CPU tensors would fail deep inside Triton."""
+    from tutorial_lib.train import cli
+
+    monkeypatch.setattr(cli, "triton_mode", lambda: "compiled")
+    with pytest.raises(ValueError, match="start it with TRITON_INTERPRET=1"):
+        cli.init_process_group_from_env("cpu", 10.0)
 
 
 def test_determinism_is_the_default_and_can_be_turned_off():

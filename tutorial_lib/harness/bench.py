@@ -55,9 +55,10 @@ from tutorial_lib.harness.code_version import code_version
 from tutorial_lib.harness.kernel_ranges import kernel_time_by_range
 
 
-def bench_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 20) -> float:
-    """Median ms of ``fn()``: ``do_bench`` if CUDA is present (its own warm-up and reps), else ``rep`` timed calls."""
-    if torch.cuda.is_available():
+def bench_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 20, *, device=None) -> float:
+    """Median ms of ``fn()``: ``do_bench`` (its own warm-up and reps) if ``fn`` works on CUDA -- ``device``, by
+    default CUDA whenever it is present -- else ``rep`` host-timed calls after ``warmup`` untimed ones."""
+    if torch.cuda.is_available() if device is None else torch.device(device).type == "cuda":
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
@@ -155,12 +156,12 @@ def time_alternating(opts: dict, steps: int, device: torch.device, extra: dict |
 
 
 def time_rounds(fns: dict[str, Callable[[], object]], rounds: int = 9, *, warmup: int = 3,
-                rep: int = 20) -> dict[str, list[float]]:
+                rep: int = 20, device=None) -> dict[str, list[float]]:
     """Milliseconds of every function in ``fns``, one :func:`bench_ms` per function per round, the
     functions taking turns in alternating order (:func:`turn_order`; a garbage collection and, in a
     process group, a barrier before each): ``{name: [ms per round]}``, paired round by round.
     Each function is called once first (compilation, caches) outside the timing. ``warmup`` and
-    ``rep``: :func:`bench_ms`'s CPU repetitions (CUDA uses ``do_bench``)."""
+    ``rep``, ``device``: :func:`bench_ms`'s (CPU repetitions; CUDA uses ``do_bench``)."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -168,7 +169,7 @@ def time_rounds(fns: dict[str, Callable[[], object]], rounds: int = 9, *, warmup
         for name in turn_order(fns, r):
             gc.collect()
             barrier_if_distributed()
-            times[name].append(bench_ms(fns[name], warmup=warmup, rep=rep))
+            times[name].append(bench_ms(fns[name], warmup=warmup, rep=rep, device=device))
     return times
 
 

@@ -211,7 +211,7 @@ def tensor_count_sweep(device: str | torch.device, total: int, counts: list[int]
         for opt in opts.values():
             opt.step()  # the optimizer state is built outside the timing
         times = time_rounds({name: opt.step for name, opt in opts.items()}, rounds,
-                            warmup=0 if cpu else 3, rep=1 if cpu else 20)
+                            warmup=0 if cpu else 3, rep=1 if cpu else 20, device=device)
         out.append(SweepPoint(n, total // n, {k: statistics.median(v) for k, v in times.items()},
                               {k: (min(v), max(v)) for k, v in times.items()}, device.type == "cuda"))
         del opts

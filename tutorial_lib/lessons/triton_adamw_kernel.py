@@ -96,7 +96,7 @@ def tensor_count_sweep(total_params: int, counts: list[int], device: torch.devic
                 worst = max(worst, float((a.detach() - b.detach()).abs().max() / b.detach().abs().max()))
         cpu = device.type == "cpu"
         times = time_rounds({name: opts[name].step for name in names}, rounds,
-                            warmup=1 if cpu else 3, rep=2 if cpu else 20)
+                            warmup=1 if cpu else 3, rep=2 if cpu else 20, device=device)
         nbytes = BYTES_PER_PARAM * total_params
         med = {k: statistics.median(v) for k, v in times.items()}
         points.append(SweepPoint(n_tensors=n, numel_each=numel, nbytes=nbytes, median_ms=med,

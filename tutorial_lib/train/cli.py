@@ -12,14 +12,16 @@ Under torchrun the process group comes from the environment torchrun sets (``RAN
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``); started without it, the script
 is a single process whose process group lives in memory (a ``HashStore``: no socket). Each process
 uses ``cuda:<LOCAL_RANK>`` with ``--device cuda`` (NCCL, plus gloo for CPU tensors), else the CPU
-(gloo). Across nodes ``--out`` must be a directory every node can read and write (checkpoints are
-written by every rank, ``metrics.jsonl`` by rank 0). Security: multi-node rendezvous listens on the
-network without authentication; ``SECURITY.md`` says which ports and how to keep them private.
+(gloo; on a machine with a visible GPU, start it with ``TRITON_INTERPRET=1``: the kernels are compiled
+or interpreted from the moment the package is imported). Across nodes ``--out`` must be a directory
+every node can read and write (checkpoints are written by every rank, ``metrics.jsonl`` by rank 0).
+Security: multi-node rendezvous listens on the network without authentication; ``SECURITY.md`` says
+which ports and how to keep them private.
 
 Bad input fails before any collective, with exit status 2 and one line naming the constraint:
-an unknown ``--format`` or ``--size``, ``--resume`` with no complete checkpoint, or a world size
-the model cannot be sharded over (e.g. 128x128 weight tiles over ranks whose shards are not
-multiples of 128 rows).
+an unknown ``--format`` or ``--size``, ``--resume`` with no complete checkpoint, ``--device cpu``
+next to compiled kernels, or a world size the model cannot be sharded over (e.g. 128x128 weight
+tiles over ranks whose shards are not multiples of 128 rows).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from tutorial_lib.dist.fsdp2 import UnshardableError
-from tutorial_lib.dist.runtime import DEVICE_CHOICES, backend_for, resolve_device
+from tutorial_lib.dist.runtime import DEVICE_CHOICES, backend_for, resolve_device, triton_mode
 from tutorial_lib.train.checkpoints import resolve_resume
 from tutorial_lib.train.loop import TrainConfig, train_model
 from tutorial_lib.train.transformer import FORMATS, SIZES
@@ -87,6 +89,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, float]:
 def init_process_group_from_env(device: str, timeout_s: float) -> torch.device:
     """Initialise the default process group from torchrun's environment, or a 1-process in-memory one."""
     dev = resolve_device(device)
+    if dev.type == "cpu" and triton_mode() == "compiled":
+        # Triton chose compiled kernels when the package was imported (a GPU is visible): they cannot take CPU tensors
+        raise ValueError("--device cpu on a machine with a visible GPU needs the Triton kernels interpreted, which is "
+                         "decided before this module runs: start it with TRITON_INTERPRET=1 (or "
+                         "CUDA_VISIBLE_DEVICES='') in the environment")
     if dev.type == "cuda":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         if dev.index >= torch.cuda.device_count():
