@@ -43,10 +43,8 @@ Amax: an integer max over the fp32 bits of ``|x|`` (non-negative floats order li
 bits, NaN > inf), per program with ``tl.max`` and across programs with ``tl.atomic_max``
 on an int32 buffer -- deterministic and NaN-propagating (a float max would drop NaN).
 
-Interpreter: the persistent recast kernels walk their blocks with a ``while`` loop there (a
-constexpr ``INTERPRETED`` picks it; compiled kernels keep the ``for``). The interpreter of Triton 3.6
-and older holds a program id as a 1-element array, which ``range()`` converts with ``int()`` -- and
-numpy 2.4 refuses that for arrays that are not 0-d; ``while`` only asks for a truth value.
+Interpreter: the persistent recast kernels walk their blocks with a ``while`` loop there, by the
+package's rule for runtime loop bounds (``tutorial_kernels``' docstring); compiled, they keep the ``for``.
 
 Example::
 
@@ -178,7 +176,7 @@ def _recast_kernel(x_ptr, out_ptr, amax_ptr, guess_ptr, scale_ptr, scale_inv_ptr
     pid = tl.program_id(0)
     if scale != tl.load(guess_ptr):  # also true for a NaN scale: the bytes become NaN
         num_blocks = tl.cdiv(n, BLOCK)
-        if INTERPRETED:  # the same walk as a while loop (the module's "Interpreter" paragraph)
+        if INTERPRETED:  # the same walk as a while loop (the package docstring's loop-bound rule)
             b = pid
             while b < num_blocks:
                 base, idx = _block_offsets(b, BLOCK)
@@ -250,7 +248,7 @@ def _recast_transpose_kernel(x_ptr, out_ptr, out_t_ptr, amax_ptr, guess_ptr, sca
     pid = tl.program_id(0)
     if scale != tl.load(guess_ptr):  # also true for a NaN scale: the bytes become NaN
         n_tiles = tl.cdiv(M, BM) * tl.cdiv(K, BK)
-        if INTERPRETED:  # the same walk as a while loop (the module's "Interpreter" paragraph)
+        if INTERPRETED:  # the same walk as a while loop (the package docstring's loop-bound rule)
             t = pid
             while t < n_tiles:
                 _cast_tile(x_ptr, out_ptr, out_t_ptr, M, K, scale, t, FMT, BM, BK)

@@ -58,12 +58,9 @@ held in lockstep by CTA-wide barriers. Two ways get it:
 
 Interpreter (CPU): Triton's interpreter gets low-precision ``tl.dot`` wrong, so there the codes
 are decoded to fp32 (``tutorial_kernels.fp8_round.decode_fp8``, exact) and multiplied with an fp32
-``ieee`` dot; one small fixed config. Its loops never take a runtime value as a ``range`` bound:
-the interpreter of Triton 3.6 and older holds a scalar argument or program id as a 1-element array,
-which ``range`` converts with ``int()`` -- and numpy 2.4 refuses that for arrays that are not 0-d.
-So there the k-block count arrives as the constexpr ``K_BLOCKS``, used where it is read (the
-interpreter turns every assigned value into such an array) and the persistent walk is a ``while``
-loop; the compiled kernel is unchanged.
+``ieee`` dot; one small fixed config. Its loops follow the package's rule for runtime loop bounds
+(``tutorial_kernels``' docstring): the k-block count arrives as the constexpr ``K_BLOCKS``, the
+persistent walk is a ``while`` loop; the compiled kernel is unchanged.
 
 The weight gradient's GEMM (``b_block=(1, 128)``): dW = dy.T @ x contracts over the tokens, so both of
 its operands are activation-like, quantized in 1x128 blocks along the tokens -- ``b`` carries a scale
@@ -203,7 +200,7 @@ def _gemm_tile(tile, a_ptr, a_desc, sa_ptr, b_ptr, b_desc, sb_ptr, c_ptr, bias_p
     acc = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
     if BLOCK_N == 256:
         acc1 = tl.zeros((BLOCK_M, HALF), dtype=tl.float32)
-    # K_BLOCKS: the interpreter's k-block count, a Python int (the module's "Interpreter" paragraph);
+    # K_BLOCKS: the interpreter's k-block count, a Python int (the package docstring's loop-bound rule);
     # WS: a producer warp and two consumer warpgroups
     for kb in tl.range(0, K_BLOCKS if INTERPRETED else K // 128, warp_specialize=WS):
         a = _load_tile(a_ptrs, a_desc, a_row0, kb, USE_TMA)
@@ -238,7 +235,7 @@ def _blockwise_fp8_gemm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, bias_ptr, M,
     else:
         a_desc = a_ptr
         b_desc = b_ptr
-    if PERSISTENT and INTERPRETED:  # the same walk as a while loop (see the module's "Interpreter" paragraph)
+    if PERSISTENT and INTERPRETED:  # the same walk as a while loop (the package docstring's loop-bound rule)
         num_tiles = tl.cdiv(M, BLOCK_M) * (N // BLOCK_N)
         tile = tl.program_id(0)
         while tile < num_tiles:
