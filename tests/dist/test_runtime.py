@@ -88,3 +88,14 @@ def test_resolve_device_names_bad_strings_and_keeps_a_device_it_is_given():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="torch sees no CUDA device"):
             runtime.resolve_device("cuda")
+
+
+def test_cpu_work_next_to_compiled_kernels_is_refused_with_the_fix(monkeypatch):
+    """Triton fixes compiled-vs-interpreted when the library is imported; CPU tensors need the interpreter."""
+    monkeypatch.setattr(runtime, "triton_mode", lambda: "compiled")   # as on a GPU machine without the flag
+    with pytest.raises(ValueError, match=r"needs the Triton kernels interpreted.*TRITON_INTERPRET=1"):
+        runtime.require_kernels_for("cpu")
+    runtime.require_kernels_for(torch.device("cuda"))                  # compiled kernels are what CUDA wants
+    monkeypatch.setattr(runtime, "triton_mode", lambda: "interpreted")
+    runtime.require_kernels_for("cpu")
+    runtime.require_kernels_for(torch.device("cpu"))

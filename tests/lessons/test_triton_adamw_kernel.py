@@ -28,3 +28,17 @@ def test_sweep_measures_every_split_and_the_implementations_agree():
 def test_counts_that_do_not_divide_are_refused():
     with pytest.raises(ValueError, match=r"tensor counts \[3, 0\] do not divide total_params=2048"):
         tensor_count_sweep(2048, [1, 3, 0], "cpu")
+
+
+def test_a_subset_of_implementations_is_timed_and_compared_with_the_first():
+    """Lesson 12 times FusedAdam against torch's fused AdamW only."""
+    s = tensor_count_sweep(1024, [1, 4], DEV, rounds=3, implementations=["FusedAdam", "torch AdamW fused"])
+    assert s.implementations == ["FusedAdam", "torch AdamW fused"]
+    assert [(p.n_tensors, p.numel_each) for p in s.points] == [(1, 1024), (4, 256)]
+    for p in s.points:
+        assert set(p.median_ms) == set(p.range_ms) == set(p.GBps) == set(s.implementations)
+    assert 0 <= s.max_rel_diff <= 1e-6  # the same update in fp32, up to rounding
+    with pytest.raises(ValueError, match=r"implementations \['FusedAdam', 'SGD'\] must be some of"):
+        tensor_count_sweep(1024, [1], DEV, implementations=["FusedAdam", "SGD"])
+    with pytest.raises(ValueError, match=r"implementations \[\] must be some of"):
+        tensor_count_sweep(1024, [1], DEV, implementations=[])

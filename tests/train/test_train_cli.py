@@ -14,6 +14,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 from tutorial_lib.train.cli import parse_args
 from tutorial_lib.train.metrics import read_metrics
@@ -120,11 +121,13 @@ def test_clear_errors(tmp_path):
 
 def test_cpu_ranks_next_to_compiled_kernels_are_refused_clearly(monkeypatch):
     """On a GPU machine the kernels are compiled at import; CPU tensors would fail deep inside Triton."""
+    from tutorial_lib.dist import runtime
     from tutorial_lib.train import cli
 
-    monkeypatch.setattr(cli, "triton_mode", lambda: "compiled")
-    with pytest.raises(ValueError, match="start it with TRITON_INTERPRET=1"):
+    monkeypatch.setattr(runtime, "triton_mode", lambda: "compiled")
+    with pytest.raises(ValueError, match="start the process with TRITON_INTERPRET=1"):
         cli.init_process_group_from_env("cpu", 10.0)
+    assert not torch.distributed.is_initialized()  # refused before the rendezvous
 
 
 def test_determinism_is_the_default_and_can_be_turned_off():

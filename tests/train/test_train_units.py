@@ -143,6 +143,7 @@ def test_a_device_the_process_group_cannot_serve_is_a_clear_error(tmp_path, monk
     import torch.distributed as dist
 
     import tutorial_lib.train.loop as loop
+    from tutorial_lib.dist import runtime
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
@@ -150,6 +151,10 @@ def test_a_device_the_process_group_cannot_serve_is_a_clear_error(tmp_path, monk
             m.setattr(loop, "resolve_device", lambda device: torch.device("cuda"))   # as on a GPU machine
             with pytest.raises(ValueError, match="backend is 'gloo', which has no nccl for cuda tensors"):
                 loop.train_mesh(TrainConfig(device="auto"))
+        with monkeypatch.context() as m:  # in-process, as the CLI: CPU tensors next to compiled kernels
+            m.setattr(runtime, "triton_mode", lambda: "compiled")
+            with pytest.raises(ValueError, match="start the process with TRITON_INTERPRET=1"):
+                loop.train_mesh(TrainConfig(device="cpu"))
         mesh, dev = loop.train_mesh(TrainConfig(device="cpu"))
         assert dev.type == "cpu" and mesh.size() == 1
     finally:

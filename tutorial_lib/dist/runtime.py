@@ -164,6 +164,26 @@ def triton_mode() -> str:
     return "compiled"
 
 
+def require_kernels_for(device: torch.device | str) -> None:
+    """Refuse CPU tensors when this process's Triton kernels are compiled.
+
+    Triton decides between compiled and interpreted kernels when a kernel is decorated -- when the
+    library is imported -- from ``TRITON_INTERPRET``; on a machine with a visible GPU it compiles
+    them for CUDA, and a CPU tensor then fails deep inside the first launch. Code that will put a
+    whole run on ``device`` (the training CLI before its rendezvous, ``train_model`` before it builds
+    the model) calls this first, so the reader gets the fix instead.
+
+    Example::
+
+        from tutorial_lib.dist.runtime import require_kernels_for
+        require_kernels_for("cpu")   # raises on a GPU machine unless TRITON_INTERPRET=1 was set at start
+    """
+    if torch.device(device).type == "cpu" and triton_mode() == "compiled":
+        raise ValueError("device cpu on a machine with a visible GPU needs the Triton kernels interpreted, which "
+                         "is decided when the library is imported: start the process with TRITON_INTERPRET=1 "
+                         "(or CUDA_VISIBLE_DEVICES='') in its environment, or use device cuda")
+
+
 def environment_report() -> dict:
     """Versions, devices and the chosen backend, as a dict a lesson can print or check."""
     try:

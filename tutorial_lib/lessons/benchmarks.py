@@ -6,9 +6,10 @@ Three kinds of functions:
   (one per GPU run, written by ``tutorial_lib.harness.bench.write_results``) into
   :class:`RecordedCase` rows: achieved bandwidth as a fraction of the copy ceiling measured in the
   same run (TFLOPS for GEMMs), every peer's time, the machine and the date;
-* live measurements -- :func:`live_benchmarks` and :func:`tensor_count_sweep` time our kernels and
-  their peers on whatever hardware runs the lesson, in alternating rounds (on a CPU: Triton's
-  interpreter at tiny sizes, so the numbers say nothing about performance, and say so);
+* live measurements -- :func:`live_benchmarks` times our kernels and their peers on whatever hardware
+  runs the lesson, in alternating rounds (on a CPU: Triton's interpreter at tiny sizes, so the numbers
+  say nothing about performance, and say so); the lesson's tensor-count sweep is lesson 07's
+  (:func:`tutorial_lib.lessons.triton_adamw_kernel.tensor_count_sweep`);
 * rank functions (run by :func:`tutorial_lib.dist.launcher.launch`) -- :func:`amax_reduce_compare`
   (one amax all-reduce per step for all current-scaled FP8 parameters vs one per parameter:
   collectives counted by the profiler, scales compared bit for bit), :func:`fsdp2_step_profile`
@@ -43,7 +44,6 @@ from tutorial_lib.harness.bench import (
     alternating_case,
     copy_bandwidth_GBps,
     median_ms_all_ranks,
-    time_rounds,
     turn_order,
 )
 from tutorial_lib.harness.kernel_ranges import exact_name, kernel_time_by_range
@@ -54,9 +54,9 @@ from tutorial_lib.quant.float8 import CurrentScaling
 from tutorial_lib.quant.mxfp8 import MXFP8Quantizer
 
 __all__ = [
-    "AmaxReduceResult", "CollectiveCost", "LiveCase", "RecordedCase", "StepProfile", "SweepPoint",
+    "AmaxReduceResult", "CollectiveCost", "LiveCase", "RecordedCase", "StepProfile",
     "amax_reduce_compare", "collective_cost", "count_events", "fsdp2_step_profile", "live_benchmarks",
-    "recorded_cases", "tensor_count_sweep",
+    "recorded_cases",
 ]
 
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -184,38 +184,6 @@ def live_benchmarks(device: str | torch.device, quick: bool, rounds: int = 5) ->
                                         fused.step, {"two passes": two.step}, nbytes=nbytes, copy_GBps=copy, **reps),
                        cuda))
     return cases
-
-
-@dataclasses.dataclass
-class SweepPoint:
-    """One point of :func:`tensor_count_sweep`: the same total elements split into ``n_tensors``."""
-
-    n_tensors: int  # how many tensors the total is split into
-    numel_each: int  # elements per tensor
-    ms: dict[str, float]  # median ms per optimizer step over the rounds: FusedAdam eager, torch AdamW fused
-    range_ms: dict[str, tuple[float, float]]  # (min, max) ms per step over the same rounds
-    is_performance_measurement: bool  # False on a CPU (interpreter)
-
-
-def tensor_count_sweep(device: str | torch.device, total: int, counts: list[int], rounds: int = 5) -> list[SweepPoint]:
-    """Cost vs work: one optimizer step over ``total`` fp32 elements split into ``counts[i]`` tensors,
-    FusedAdam (eager host path) and torch's fused AdamW taking turns in ``rounds`` alternating rounds
-    (:func:`tutorial_lib.harness.bench.time_rounds`), after one untimed step each (state, compilation)."""
-    device = torch.device(device)
-    cpu = device.type == "cpu"
-    out = []
-    for n in counts:
-        sizes = [total // n] * n
-        opts = {"FusedAdam": FusedAdam(_params(sizes, device), **HP),
-                "torch AdamW fused": torch.optim.AdamW(_params(sizes, device), **HP, fused=True)}
-        for opt in opts.values():
-            opt.step()  # the optimizer state is built outside the timing
-        times = time_rounds({name: opt.step for name, opt in opts.items()}, rounds,
-                            warmup=0 if cpu else 3, rep=1 if cpu else 20, device=device)
-        out.append(SweepPoint(n, total // n, {k: statistics.median(v) for k, v in times.items()},
-                              {k: (min(v), max(v)) for k, v in times.items()}, device.type == "cuda"))
-        del opts
-    return out
 
 
 # ----------------------------------------------------------------------------- rank functions

@@ -58,7 +58,7 @@ class TensorCountSweep:
     copy_GBps: float  # device-to-device copy bandwidth in the same run (bytes read + written)
     implementations: list[str]  # the names timed, in plotting order
     points: list[SweepPoint]  # one per split
-    max_rel_diff: float  # largest max|p - p_FusedAdam| / max|p_FusedAdam| after the first step, any split
+    max_rel_diff: float  # largest max|p - p_ref| / max|p_ref| after the first step, any split (ref: the first)
     label: str  # one line for a plot title (machine, torch, sizes; says INTERPRETER on a CPU)
 
 
@@ -73,24 +73,29 @@ def _params(n_tensors: int, numel_each: int, device: torch.device, seed: int) ->
 
 
 def tensor_count_sweep(total_params: int, counts: list[int], device: torch.device | str, *,
-                       rounds: int = 7) -> TensorCountSweep:
+                       rounds: int = 7, implementations: list[str] | None = None) -> TensorCountSweep:
     """Split ``total_params`` fp32 parameters into each of ``counts`` tensors and time one optimizer
-    step of every implementation (see the module docstring). ``counts`` must divide ``total_params``."""
+    step of every implementation (see the module docstring). ``counts`` must divide ``total_params``;
+    ``implementations`` picks some of :data:`IMPLEMENTATIONS` (default: all), the first being the one
+    the others are compared with."""
     device = torch.device(device)
     bad = [n for n in counts if n < 1 or total_params % n]
     if bad:
         raise ValueError(f"tensor counts {bad} do not divide total_params={total_params} into equal tensors")
-    names = list(IMPLEMENTATIONS)
+    names = list(IMPLEMENTATIONS) if implementations is None else list(implementations)
+    unknown = [name for name in names if name not in IMPLEMENTATIONS]
+    if unknown or not names:
+        raise ValueError(f"implementations {names} must be some of {list(IMPLEMENTATIONS)}")
     points, worst = [], 0.0
     for n in counts:
         numel = total_params // n
         opts, params = {}, {}
-        for name, make in IMPLEMENTATIONS.items():
+        for name in names:
             params[name] = _params(n, numel, device, seed=n)  # identical state for every implementation
-            opts[name] = make(params[name])
+            opts[name] = IMPLEMENTATIONS[name](params[name])
         for name in names:
             opts[name].step()
-        ref = params["FusedAdam"]
+        ref = params[names[0]]
         for name in names[1:]:
             for a, b in zip(params[name], ref):
                 worst = max(worst, float((a.detach() - b.detach()).abs().max() / b.detach().abs().max()))

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from tutorial_lib.dist.fsdp2 import UnshardableError
-from tutorial_lib.dist.runtime import DEVICE_CHOICES, backend_for, resolve_device, triton_mode
+from tutorial_lib.dist.runtime import DEVICE_CHOICES, backend_for, require_kernels_for, resolve_device
 from tutorial_lib.train.checkpoints import resolve_resume
 from tutorial_lib.train.loop import TrainConfig, train_model
 from tutorial_lib.train.transformer import FORMATS, SIZES
@@ -89,11 +89,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, float]:
 def init_process_group_from_env(device: str, timeout_s: float) -> torch.device:
     """Initialise the default process group from torchrun's environment, or a 1-process in-memory one."""
     dev = resolve_device(device)
-    if dev.type == "cpu" and triton_mode() == "compiled":
-        # Triton chose compiled kernels when the package was imported (a GPU is visible): they cannot take CPU tensors
-        raise ValueError("--device cpu on a machine with a visible GPU needs the Triton kernels interpreted, which is "
-                         "decided before this module runs: start it with TRITON_INTERPRET=1 (or "
-                         "CUDA_VISIBLE_DEVICES='') in the environment")
+    require_kernels_for(dev)  # before the rendezvous: every rank refuses alike, none waits for the others
     if dev.type == "cuda":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         if dev.index >= torch.cuda.device_count():

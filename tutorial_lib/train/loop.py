@@ -50,7 +50,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.profiler import record_function
 
 from tutorial_lib.dist.quantized_init import build_sharded_plain, build_sharded_quantized
-from tutorial_lib.dist.runtime import deterministic_cuda, resolve_device
+from tutorial_lib.dist.runtime import deterministic_cuda, require_kernels_for, resolve_device
 from tutorial_lib.harness.progress import progress
 from tutorial_lib.optim.fused_adam import FusedAdam
 from tutorial_lib.quant.registry import get_format_info, recipe
@@ -156,6 +156,7 @@ def train_mesh(cfg: TrainConfig):
         raise RuntimeError("train_model() runs inside an initialised process group: start it with "
                            "tutorial_lib.dist.launcher.launch, torchrun, or python -m tutorial_lib.train")
     dev = resolve_device(cfg.device)
+    require_kernels_for(dev)                           # else a CPU tensor fails inside the first compiled kernel
     backend = dist.get_backend()                       # "gloo", "nccl", or "cpu:gloo,cuda:nccl"
     needed = "nccl" if dev.type == "cuda" else "gloo"
     if needed not in backend:                          # else FSDP2's first collective fails far from here
