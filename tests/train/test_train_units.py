@@ -155,7 +155,9 @@ def test_a_device_the_process_group_cannot_serve_is_a_clear_error(tmp_path, monk
             m.setattr(runtime, "triton_mode", lambda: "compiled")
             with pytest.raises(ValueError, match="start the process with TRITON_INTERPRET=1"):
                 loop.train_mesh(TrainConfig(device="cpu"))
-        mesh, dev = loop.train_mesh(TrainConfig(device="cpu"))
+        with monkeypatch.context() as m:  # as under TRITON_INTERPRET=1 (a CPU-only machine's default)
+            m.setattr(runtime, "triton_mode", lambda: "interpreted")
+            mesh, dev = loop.train_mesh(TrainConfig(device="cpu"))
         assert dev.type == "cpu" and mesh.size() == 1
     finally:
         dist.destroy_process_group()
