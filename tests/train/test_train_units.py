@@ -47,6 +47,23 @@ def test_per_rank_order_is_disjoint_and_covers_an_epoch(data, world_size):
     assert x.shape == y.shape == (b, 64) and x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
 
 
+@pytest.mark.parametrize(("world_size", "b"), [(2, 100), (3, 7), (8, 8)])
+def test_no_step_reads_a_window_twice_across_epoch_boundaries(data, world_size, b):
+    """The windows do not divide into whole steps (n % (W*B) != 0): each epoch's permutation is cut into
+    whole steps, so no step spans two epochs (which could put one window on two ranks, or twice on one)."""
+    n, per_step = data.train.shape[0], world_size * b
+    assert n % per_step, "this case must leave a remainder"
+    per_epoch = n // per_step
+    for epoch in range(3):
+        steps = range(epoch * per_epoch, (epoch + 1) * per_epoch)
+        rows = [[i for r in range(world_size) for i in data.train_indices(s, r, world_size, b, seed=1)] for s in steps]
+        assert all(len(set(row)) == per_step for row in rows)  # every step: W*B distinct windows
+        seen = [i for row in rows for i in row]
+        assert len(set(seen)) == len(seen) == per_epoch * per_step  # and none twice within the epoch
+    first = [data.train_indices(s, 0, world_size, b, seed=1) for s in range(2 * per_epoch)]
+    assert first[:per_epoch] != first[per_epoch:]  # the next epoch is another permutation
+
+
 def test_val_windows_are_disjoint_and_equal_in_count(data):
     parts = [data.val_windows(r, 3, max_windows=64)[0] for r in range(3)]
     assert [p.shape[0] for p in parts] == [21, 21, 21]  # 64 rounded down to a multiple of 3

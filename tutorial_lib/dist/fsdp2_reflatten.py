@@ -40,7 +40,18 @@ import functools
 
 from tutorial_lib.quant.view_policy import allow_flat_views, flat_view_scope
 
-__all__ = ["follow_first_flatten", "fsdp_param_class"]
+__all__ = ["follow_first_flatten", "fsdp_param_class", "fsdp_params"]
+
+
+def fsdp_params(module) -> list:
+    """The ``FSDPParam`` records of one ``fully_shard``-ed module (its own parameters, not its sub-modules'):
+    torch internals, for reading; torch 2.13 keeps a list of groups where 2.11 kept one."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return [p for g in groups for p in g.fsdp_params]
 
 
 def fsdp_param_class() -> type:

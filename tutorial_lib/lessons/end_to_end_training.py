@@ -33,6 +33,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from tutorial_lib.dist.fsdp2 import check_fsdp_shardable, fully_shard_blocks
+from tutorial_lib.dist.fsdp2_reflatten import fsdp_params
 from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.dist.quantized_init import meta_quantized
 from tutorial_lib.harness.bench import track_peak_memory
@@ -121,7 +122,7 @@ class MainGradFn(torch.autograd.Function):
 
 
 class MainGradLinear(nn.Linear):
-    """A bias-free linear layer with fused weight-gradient accumulation, as Megatron / Transformer Engine do it.
+    """A bias-free linear layer with fused weight-gradient accumulation, as some training frameworks do it.
 
     ``lookup="param"``: backward writes ``self.weight.main_grad`` (the parameter object autograd saw);
     ``lookup="module"``: it writes ``self.main_grad`` (a buffer the module holds).
@@ -177,7 +178,7 @@ def _main_grad_layers(model: nn.Module) -> list[tuple[str, MainGradLinear]]:
 
 @dataclasses.dataclass
 class MainGradPitfallResult:
-    """What the three broken ``main_grad`` set-ups do under FSDP2 (rank 0's view unless it says per rank)."""
+    """What the broken ``main_grad`` set-ups do under FSDP2 (rank 0's view unless it says per rank)."""
 
     a_sharded_grads_none: bool  # (a) every MainGradLinear's sharded parameter has .grad None after backward
     a_control_grad_ok: bool  # (a) the ordinary control layer's gradient equals the single-process reference
@@ -270,6 +271,8 @@ class AccumulationResult:
     main_grad_ms: float  # the same step with MainGradLinear layers and full-shape fp32 main_grad buffers
     main_grad_peak_bytes: int  # peak memory above the start of that step (the buffers are allocated before it)
     main_grad_buffer_bytes: int  # the full-shape fp32 main_grad buffers themselves (held for the whole run)
+    accumulator_bytes: int  # FSDP2's fp32 accumulators of the blocks' weights between no-sync micro-batches
+    accumulator_bytes_after: int  # the same after the step's reduce-scatter (what the supported path keeps)
 
 
 def _accumulated_step(model, batches) -> None:
@@ -277,6 +280,25 @@ def _accumulated_step(model, batches) -> None:
     for i, (x, y) in enumerate(batches):
         model.set_requires_gradient_sync(i == k - 1)
         (F.mse_loss(model(x).float(), y) / k).backward()
+
+
+def _accumulator_bytes(model: PitfallNet) -> int:
+    """Bytes of the gradient accumulators FSDP2 holds for the blocks' weights (each ``FSDPParam``'s
+    ``unsharded_accumulated_grad``: full shape, in ``reduce_dtype``; torch internals, read only)."""
+    accs = [fp.unsharded_accumulated_grad for b in model.blocks for fp in fsdp_params(b)]
+    return sum(a.numel() * a.element_size() for a in accs if a is not None)
+
+
+def _accumulators_held(model: PitfallNet, batches) -> tuple[int, int]:
+    """``(bytes between the no-sync micro-batches, bytes after the step)``: one accumulated step, watched."""
+    model.zero_grad(set_to_none=True)
+    between = 0
+    for i, (x, y) in enumerate(batches):
+        model.set_requires_gradient_sync(i == len(batches) - 1)
+        (F.mse_loss(model(x).float(), y) / len(batches)).backward()
+        if i < len(batches) - 1:
+            between = max(between, _accumulator_bytes(model))
+    return between, _accumulator_bytes(model)
 
 
 def _local_rows(full: torch.Tensor, p: DTensor) -> torch.Tensor:
@@ -340,6 +362,7 @@ def accumulation_check(micro_batches: int = 4, dim: int = 48, hidden: int = 96, 
         m.main_grad = torch.zeros(m.weight.shape, dtype=torch.float32, device=dev)
     fully_shard_blocks(mg, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                 reduce_dtype=torch.float32))
+    held = _accumulators_held(model, data[rank])
     timings = {}
     for name, net in (("supported", model), ("main_grad", mg)):
         net.zero_grad(set_to_none=True)
@@ -360,4 +383,4 @@ def accumulation_check(micro_batches: int = 4, dim: int = 48, hidden: int = 96, 
     err_c, _, bound_c, within_c, use_c, _ = results[torch.float32, torch.float32]
     return AccumulationResult(k, err32, bound32, within32, equal32, err16, within16, err_c, bound_c, within_c, use_c,
                               *timings["supported"], *timings["main_grad"],
-                              sum(m.main_grad.numel() * 4 for _, m in _main_grad_layers(mg)))
+                              sum(m.main_grad.numel() * 4 for _, m in _main_grad_layers(mg)), *held)

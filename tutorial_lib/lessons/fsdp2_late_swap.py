@@ -43,6 +43,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from tutorial_lib.dist.fsdp2_reflatten import fsdp_params
 from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.quant.registry import make_quantizer
 
@@ -75,7 +76,7 @@ def _plain_swap_buffer_dtypes(mesh, dev, dim: int) -> tuple[str, str]:
     """Swap an fp32 shard into a ``fully_shard``-ed bf16 Linear; FSDP2's shard buffer dtype before/after a forward."""
     model = nn.Sequential(nn.Linear(dim, dim, bias=False)).to(dev, torch.bfloat16)
     fully_shard(model, mesh=mesh)
-    fsdp_param = model._get_fsdp_state()._fsdp_param_group.fsdp_params[0]  # torch internals, read only
+    fsdp_param = fsdp_params(model)[0]  # torch internals, read only
     before = str(fsdp_param._sharded_param_data.dtype)
     w = model[0].weight
     shard = w.to_local().detach().float()

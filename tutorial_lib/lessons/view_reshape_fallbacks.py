@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
+from tutorial_lib.dist.fsdp2_reflatten import fsdp_params
 from tutorial_lib.dist.launcher import rank_device
 from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.quant.fallback import QuantizedViewError
@@ -133,19 +134,9 @@ def fallback_view_costs(q: QuantizedTensor) -> FallbackViewCosts:
     )
 
 
-def _fsdp_params(module):
-    """FSDP2's per-parameter records (private API; the attribute name differs across torch versions)."""
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return [p for g in groups for p in g.fsdp_params]
-
-
 def _kept_flat_shard(lin: nn.Module) -> FlatShardLayer:
     """Inspect one fully_shard-ed layer's flat shard, then requantize its shard in place (an optimizer step)."""
-    (fsdp_param,) = _fsdp_params(lin)
+    (fsdp_param,) = fsdp_params(lin)
     flat, local = fsdp_param._sharded_param_data, local_tensor(lin.weight)
     data = local.raw_buffers()[local._buffer_names[0]]
     alias = flat.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()

@@ -1,7 +1,7 @@
 """Real text that needs no download: the CPython documentation topics, as byte-level tokens.
 
 Every Python installation ships ``pydoc_data.topics`` (the text ``help("with")`` prints): about
-80 topics, ~0.47 MB of English prose and code. We use it as a language-modelling corpus::
+80 topics, ~0.5 MB of English prose and code (the size depends on the Python release); a corpus::
 
     topics (sorted by name) --"\\n\\n".join--> UTF-8 bytes --> tokens 0..255 (vocab = 256, no tokenizer)
     |<----------------- first 90 %: train ----------------->|<--- last 10 %: validation --->|
@@ -11,17 +11,18 @@ every machine and in every run. **Windows.** Each split is cut into non-overlapp
 ``seq_len + 1`` tokens (input = the first ``seq_len``, target = the last ``seq_len``).
 
 **Per-rank order: deterministic and disjoint.** Training windows are visited in epochs, each a
-permutation drawn from ``torch.Generator().manual_seed(seed * 1_000_003 + epoch)``. Global step ``s``
-takes the next ``world_size * batch_size`` windows of that stream; rank ``r`` takes the ``r``-th
-``batch_size`` of them::
+permutation drawn from ``torch.Generator().manual_seed(seed * 1_000_003 + epoch)`` and cut into whole
+steps of ``world_size * batch_size`` windows; rank ``r`` takes the ``r``-th ``batch_size`` of a step::
 
-    stream  = perm(epoch 0) ++ perm(epoch 1) ++ ...
-    step s  : stream[s*W*B : (s+1)*W*B]       W = world size, B = batch size per rank
-    rank r  : stream[s*W*B + r*B : s*W*B + (r+1)*B]
+    E = n // (W*B)                            steps per epoch (n windows, W ranks, B per rank)
+    step s  : epoch e = s // E, k = s % E      perm(e)[k*W*B : (k+1)*W*B]
+    rank r  : perm(e)[k*W*B + r*B : k*W*B + (r+1)*B]
+              the last n - E*W*B windows of each permutation (different ones each epoch) are skipped
 
 So a batch is a pure function of ``(seed, step, rank, world_size)``: a resumed run reads exactly
 the batches the uninterrupted run would have read (nothing about the data order is checkpointed
-but the step number), and no two ranks ever read the same window in the same step.
+but the step number). A step never spans two permutations, so no window appears twice in one step
+-- not on two ranks, not twice in one rank's batch -- and none twice within an epoch.
 
 Example::
 
@@ -110,20 +111,20 @@ class TextData:
         if per_step > n:
             raise ValueError(f"{world_size} ranks x {batch_size} sequences = {per_step} windows per step, but the "
                              f"training split has only {n} windows of {self.seq_len + 1} tokens")
-        first = step * per_step + rank * batch_size
-        return [self._stream(first + i, seed) for i in range(batch_size)]
+        epoch, k = divmod(step, n // per_step)  # whole steps per epoch: a step never spans two permutations
+        first = k * per_step + rank * batch_size
+        return self._permutation(epoch, seed)[first : first + batch_size].tolist()
 
-    def _stream(self, position: int, seed: int) -> int:
-        """Window index at ``position`` of the epoch-by-epoch permutation stream."""
-        n = self.train.shape[0]
-        epoch, within = divmod(position, n)
+    def _permutation(self, epoch: int, seed: int) -> torch.Tensor:
+        """The order of the training windows in ``epoch`` (cached: consecutive steps share it)."""
         cache = self.__dict__.setdefault("_perm_cache", {})
         key = (seed, epoch)
         if key not in cache:
             if len(cache) > 4:
                 cache.clear()
-            cache[key] = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-        return int(cache[key][within])
+            g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+            cache[key] = torch.randperm(self.train.shape[0], generator=g)
+        return cache[key]
 
     def val_windows(self, rank: int, world_size: int, max_windows: int | None = None,
                     device=None) -> tuple[torch.Tensor, torch.Tensor]:
