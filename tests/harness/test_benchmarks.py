@@ -7,6 +7,7 @@ still import, run and record (a broken import found on the GPU machine costs dev
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -63,3 +64,38 @@ def test_fp8_gemm_wgrad_option_writes_its_own_results_file(tmp_path):
     (c,) = json.loads(path.read_text())["cases"]
     assert CASE_KEYS <= set(c) and c["ours_ms"] > 0 and c["bytes"] > 0 and c["ours_max_err_over_bound"] <= 1
     assert "1x128 x 1x128" in c["name"] and "bf16 cuBLAS" in c["peers"]
+    assert c["checked_rows"] == c["M"]
+
+
+@pytest.mark.distributed
+def test_fp8_gemm_checks_every_element_of_the_product(tmp_path):
+    """The float64 check covers the whole output (``checked_rows`` = M), not a slice of it."""
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "bench_fp8_gemm.py"), "--quick",
+                           "--out", str(tmp_path)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    (path,) = Path(tmp_path).glob("*.json")
+    (c,) = json.loads(path.read_text())["cases"]
+    assert c["checked_rows"] == c["M"] and 0 < c["ours_max_err_over_bound"] <= 1
+
+
+def test_fp8_gemm_error_check_fails_on_one_wrong_element():
+    """The benchmark's check is not a formality: the exact product rounded to bf16 passes, the same product
+    with ONE element off by 2% (2.5 to 5 bf16 ulps; the bound allows about half of one) fails, and a
+    product of the wrong shape is refused."""
+    spec = importlib.util.spec_from_file_location("bench_fp8_gemm", REPO_ROOT / "benchmarks" / "bench_fp8_gemm.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from tutorial_lib.matmul.reference import FP32_UNIT_ROUNDOFF, blockwise_fp8_gemm_reference
+    from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
+
+    g = torch.Generator().manual_seed(7)
+    a, sa = quantize_fp8_blockwise(torch.randn(40, 256, generator=g), (1, 128))
+    b, sb = quantize_fp8_blockwise(torch.randn(128, 256, generator=g), (128, 128))
+    over_bound = bench.error_over_bound(a, sa, b, sb, FP32_UNIT_ROUNDOFF)
+    out = blockwise_fp8_gemm_reference(a, sa, b, sb, out_dtype=torch.bfloat16)
+    assert over_bound(out) <= 1
+    i = int(out.abs().argmax())
+    out.view(-1)[i] *= 1.02
+    assert over_bound(out) > 1
+    with pytest.raises(ValueError, match="expected a torch.bfloat16"):
+        over_bound(out[:-1])

@@ -6,6 +6,7 @@
 ``mesh``             ``world_mesh()``: the one 1-D mesh helper a rank function starts with
 ``fsdp2``            FSDP2 all-gather hooks for every quantized format; shardability checks
 ``fsdp2_reflatten``  FSDP2's later re-flattens of a shard follow the view scope of its first one
+``fsdp2_internals``  the one reader of FSDP2's private per-parameter records (``FSDPParam``)
 ``quantized_init``   meta-device init that quantizes only each rank's shard
 ``checkpoint``       DCP save/load of quantized state (planners, checks, refusals)
 ``checkpoint_checks`` non-finite and mismatch checks, safe-globals scopes

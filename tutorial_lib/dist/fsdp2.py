@@ -84,6 +84,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from tutorial_lib.dist.fsdp2_internals import fsdp_param_class
 from tutorial_lib.dist.fsdp2_reflatten import follow_first_flatten
 from tutorial_lib.quant.tensor import QuantizedTensor, is_quantized, local_tensor
 from tutorial_lib.quant.view_policy import allow_flat_views
@@ -320,14 +321,11 @@ _form: str | None = None
 def installed_pre_all_gather_form() -> str:
     """"5-arg" if this torch's FSDP2 passes (mesh, outer_size, outer_stride, module, mp_policy), else "1-arg"."""
     try:
-        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-    except ImportError:  # pragma: no cover - torch < 2.6 kept FSDP2 under _composable
-        try:
-            from torch.distributed._composable.fsdp._fsdp_param import FSDPParam
-        except ImportError:
-            return "1-arg"
+        fsdp_param = fsdp_param_class()
+    except ImportError:  # pragma: no cover - a torch without FSDP2
+        return "1-arg"
     try:
-        src = inspect.getsource(FSDPParam.all_gather_inputs.fget)
+        src = inspect.getsource(fsdp_param.all_gather_inputs.fget)
     except (OSError, TypeError, AttributeError):  # pragma: no cover - no source: decide by version
         return "5-arg" if tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5) else "1-arg"
     return "5-arg" if "mp_policy" in src else "1-arg"

@@ -38,29 +38,10 @@ from __future__ import annotations
 import contextlib
 import functools
 
+from tutorial_lib.dist.fsdp2_internals import fsdp_param_class
 from tutorial_lib.quant.view_policy import allow_flat_views, flat_view_scope
 
-__all__ = ["follow_first_flatten", "fsdp_param_class", "fsdp_params"]
-
-
-def fsdp_params(module) -> list:
-    """The ``FSDPParam`` records of one ``fully_shard``-ed module (its own parameters, not its sub-modules'):
-    torch internals, for reading; torch 2.13 keeps a list of groups where 2.11 kept one."""
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [group] if group is not None else []
-    return [p for g in groups for p in g.fsdp_params]
-
-
-def fsdp_param_class() -> type:
-    """torch's ``FSDPParam`` (FSDP2's per-parameter state), wherever this torch keeps it."""
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
-    except ImportError:  # pragma: no cover - torch < 2.6 kept FSDP2 under _composable
-        from torch.distributed._composable.fsdp._fsdp_param import FSDPParam
-    return FSDPParam
+__all__ = ["follow_first_flatten"]
 
 
 def follow_first_flatten() -> None:

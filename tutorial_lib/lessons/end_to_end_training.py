@@ -33,7 +33,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from tutorial_lib.dist.fsdp2 import check_fsdp_shardable, fully_shard_blocks
-from tutorial_lib.dist.fsdp2_reflatten import fsdp_params
+from tutorial_lib.dist.fsdp2_internals import fsdp_params
 from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.dist.quantized_init import meta_quantized
 from tutorial_lib.harness.bench import track_peak_memory
@@ -275,11 +275,15 @@ class AccumulationResult:
     accumulator_bytes_after: int  # the same after the step's reduce-scatter (what the supported path keeps)
 
 
-def _accumulated_step(model, batches) -> None:
+def _accumulated_step(model, batches, between_micro_batches=None) -> None:
+    """One accumulated step: gradient sync (the reduce-scatter) only on the last of the ``k`` micro-batches;
+    ``between_micro_batches()`` (optional) runs after each backward that did not sync."""
     k = len(batches)
     for i, (x, y) in enumerate(batches):
         model.set_requires_gradient_sync(i == k - 1)
         (F.mse_loss(model(x).float(), y) / k).backward()
+        if between_micro_batches is not None and i < k - 1:
+            between_micro_batches()
 
 
 def _accumulator_bytes(model: PitfallNet) -> int:
@@ -292,13 +296,9 @@ def _accumulator_bytes(model: PitfallNet) -> int:
 def _accumulators_held(model: PitfallNet, batches) -> tuple[int, int]:
     """``(bytes between the no-sync micro-batches, bytes after the step)``: one accumulated step, watched."""
     model.zero_grad(set_to_none=True)
-    between = 0
-    for i, (x, y) in enumerate(batches):
-        model.set_requires_gradient_sync(i == len(batches) - 1)
-        (F.mse_loss(model(x).float(), y) / len(batches)).backward()
-        if i < len(batches) - 1:
-            between = max(between, _accumulator_bytes(model))
-    return between, _accumulator_bytes(model)
+    between = []
+    _accumulated_step(model, batches, lambda: between.append(_accumulator_bytes(model)))
+    return max(between, default=0), _accumulator_bytes(model)
 
 
 def _local_rows(full: torch.Tensor, p: DTensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from tutorial_lib.dist.fsdp2_reflatten import fsdp_params
+from tutorial_lib.dist.fsdp2_internals import fsdp_params
 from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.quant.registry import make_quantizer
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.fsdp import fully_shard
 
-from tutorial_lib.dist.fsdp2_reflatten import fsdp_params
+from tutorial_lib.dist.fsdp2_internals import fsdp_params
 from tutorial_lib.dist.launcher import rank_device
 from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.quant.fallback import QuantizedViewError

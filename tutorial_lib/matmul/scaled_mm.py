@@ -21,8 +21,8 @@ scales are applied in the epilogue. What the hardware path accepts, and what to 
     scales, per-tensor    fp32, one element each (0-d, [1] or [1, 1])
     scales, row-wise      fp32 scale_a [M, 1] and scale_b [1, N], contiguous   (also E5M2 x E4M3 on sm_90)
     out dtype             bf16, fp16 or fp32 (an FP8 output exists; not used here)
-    bias (optional)       [N], contiguous, of the out dtype; added to the fp32  cuBLASLt refuses it with an fp32
-                          result before its one rounding (the epilogue)      output: we add after (same value)
+    bias (optional)       [N], contiguous, of the out dtype; added to the fp32  torch's _scaled_mm refuses it with
+                          result before its one rounding (the epilogue)      an fp32 output: we add after (same value)
     use_fast_accum        keep the whole K sum in the tensor core's reduced-precision accumulator;
                           False promotes partial sums to fp32 (the default, and always for grads)
     device                CUDA, compute capability >= 8.9 (tensor cores with FP8)
@@ -256,7 +256,7 @@ def _check_bias(bias, n: int, out_dtype: torch.dtype, device) -> None:
 def _scaled_torch(a_data, a_fmt, b_data, b_fmt, scale_a, scale_b, out_dtype, use_fast_accum, bias=None
                   ) -> torch.Tensor:
     a8, b8 = a_data.view(FP8_DTYPES[a_fmt]), b_data.view(FP8_DTYPES[b_fmt])
-    fused = bias if out_dtype != torch.float32 else None  # cuBLASLt: no bias with an fp32 output
+    fused = bias if out_dtype != torch.float32 else None  # torch refuses a bias with an fp32 output
     out = torch._scaled_mm(a8, b8, scale_a, scale_b, bias=fused, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
     return out if fused is not None or bias is None else out.add_(bias)  # fp32 + fp32: the epilogue's one rounding
 
@@ -413,7 +413,7 @@ def _blockwise_torch(a_data, a_scale, w_data, w_scale, scaling: str, out_dtype, 
     else:  # 1x128 weight-like operand: [N, K/128], N-major
         scale_b, recipe_b = _outer_major(w_scale), st.BlockWise1x128
     a8, b8 = a_data.view(torch.float8_e4m3fn), w_data.view(torch.float8_e4m3fn).t()
-    fused = bias if out_dtype != torch.float32 else None  # cuBLASLt: no bias with an fp32 output
+    fused = bias if out_dtype != torch.float32 else None  # torch refuses a bias with an fp32 output
     out = F.scaled_mm(a8, b8, scale_a, st.BlockWise1x128, scale_b, recipe_b, bias=fused, output_dtype=out_dtype,
                       use_fast_accum=use_fast_accum)
     return out if fused is not None or bias is None else out.add_(bias)
