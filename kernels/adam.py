@@ -1,6 +1,6 @@
 """Fused AdamW in Triton: one tensor, then thousands of tensors in ONE launch.
 
-Reference: ``tutorial_lib.optim.adamw_reference`` (torch.optim.AdamW's op order). Lesson 07 builds these
+Reference: ``tutorial_lib.optim.adamw_reference`` (torch.optim.AdamW's formula). Lesson 07 builds these
 kernels step by step; ``tutorial_lib.optim.fused_adam.FusedAdam`` is the optimizer that drives them.
 
 Multi-tensor launch with pointer tables
@@ -124,7 +124,11 @@ def adam_step_scalars_tensor(steps: torch.Tensor, lr: float, beta1: float, beta2
 
 @triton.jit
 def adamw_math(w, g, m, v, step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_beta2, eps):
-    """AdamW on fp32 registers, in torch.optim.AdamW's op order (see tutorial_lib.optim.adamw_reference)."""
+    """AdamW on fp32 registers: torch.optim.AdamW's single-tensor formula and op order (see
+    tutorial_lib.optim.adamw_reference) except the last line. The kernel divides first,
+    ``w - step_size * (m / denom)``; torch's CPU ``addcdiv`` multiplies first, ``w + (-step_size * m) / denom``.
+    The two may round the update differently, so kernel and reference agree within a few fp32
+    roundings per step (``adamw_tolerance``), not bit for bit."""
     w = w * decay
     # torch's lerp: self + w * (end - self) for small weights, end - (end - self) * (1 - w) otherwise
     m = tl.where(lerp_w < 0.5, m + lerp_w * (g - m), g - (g - m) * (1.0 - lerp_w))

@@ -85,6 +85,7 @@ class FusedVsTorch:
     losses: list[tuple[float, float]]  # per step: (torch AdamW's loss, FusedAdam's loss) on this rank's batch
     max_abs_diff_per_step: list[float]  # per step: max |torch param - FusedAdam param| over this rank's shards
     max_abs_param: float  # max |param| over torch's non-empty shards at the end (scales the tolerance)
+    lr: float  # the learning rate both optimizers used (the update's size, in the tolerance)
     local_shapes: list[tuple[int, ...]]  # this rank's shard shape per parameter ((0, 7): an empty shard)
     state_is_dtensor_like_param: bool  # exp_avg / exp_avg_sq are DTensors with the parameter's placements, shape
     steps: list[float]  # FusedAdam's step count per parameter
@@ -125,6 +126,7 @@ def fsdp2_fused_vs_torch(steps: int = 10, lr: float = 1e-2, weight_decay: float 
         losses=losses,
         max_abs_diff_per_step=max_diff,
         max_abs_param=max(p.to_local().abs().max().item() for p in ref_model.parameters() if p.to_local().numel()),
+        lr=lr,
         local_shapes=[tuple(p.to_local().shape) for p in fused_model.parameters()],
         state_is_dtensor_like_param=all(state_ok),
         steps=[fused_opt.state[p]["step"].item() for p in fused_model.parameters()],
@@ -212,6 +214,7 @@ class QuantizedStep:
     max_master_err: float  # max |FusedAdam master - reference AdamW on the fp32 shard| over all steps
     max_abs_master: float  # max |reference master| over all steps: the scale of one fp32 ulp in that error
     steps: int  # optimizer steps taken
+    lr: float  # the learning rate (the update's size, in the tolerance)
     fp8_bytes_equal_quantize_of_master: bool  # every step: fused FP8 bytes == quantize(master, scale in force)
     current_bytes_equal_quantize_of_master: bool  # every step: the current-scaled weight's bytes and scale_inv ==
     # CurrentScaling(group=WORLD).quantize(its new master): the all-reduced amax of all shards
@@ -285,6 +288,7 @@ def quantized_dtensor_step(steps: int = 3, lr: float = 1e-2, rows: int = 9, cols
         max_master_err=max_master_err,
         max_abs_master=max_abs_master,
         steps=steps,
+        lr=lr,
         fp8_bytes_equal_quantize_of_master=bool(bytes_equal),
         current_bytes_equal_quantize_of_master=bool(current_equal),
         scale_inv_per_step=scales,

@@ -1,8 +1,10 @@
 """Lesson 08's pitfalls, each run for real, then fixed: the experiments behind its pitfall sections.
 
 * :func:`unwrap_pitfall` (rank function) -- an optimizer that does NOT unwrap FSDP2's DTensor
-  parameters: state allocated with ``torch.zeros(p.shape)`` has the GLOBAL shape, ``p.dequantize()``
-  on a DTensor has no sharding rule, and the DTensor itself owns no storage for a kernel table;
+  parameters: state allocated with ``torch.zeros(p.shape)`` has the GLOBAL shape,
+  ``p.dequantize(torch.float32)`` on a DTensor reaches torch's own ``Tensor.dequantize`` (DTensor does
+  not forward the format's method), which takes no dtype argument: a ``TypeError``; and the DTensor
+  itself owns no storage for a kernel table;
   then the unwrap (``local_tensor(p)``) and one kernel step on the local shard.
 * :func:`raw_pointer_route` (rank function) -- an MXFP8 weight routed by its nominal dtype into the
   bf16 kernel: on CPU the table guard refuses it; on a GPU, with ``unsafe=True``, the kernel really
@@ -33,7 +35,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.dist.runtime import resolve_device
-from tutorial_lib.optim.adamw_reference import adamw_reference_step_
+from tutorial_lib.optim.adamw_reference import adamw_reference_step_, adamw_tolerance
 from tutorial_lib.optim.fused_adam import HP_INIT_ATTR, FusedAdam
 from tutorial_lib.quant.float8 import CurrentScaling
 from tutorial_lib.quant.mxfp8 import MXFP8Quantizer
@@ -77,6 +79,8 @@ class UnwrapPitfall:
     naive_dequantize: str  # outcome of p.dequantize(torch.float32) on the DTensor ("works" / "fails: ...")
     naive_table: str  # outcome of putting the DTensor itself into a kernel table
     unwrapped_max_err: float  # max |kernel step on the unwrapped shard - reference AdamW on the fp32 shard|
+    max_abs_weight: float  # max |reference weight| after the step (scales the tolerance of that comparison)
+    lr: float  # the step's learning rate (the update's size, in that tolerance)
 
 
 def unwrap_pitfall(rows_per_rank: int = 8, cols: int = 64, seed: int = 0) -> UnwrapPitfall:
@@ -111,6 +115,8 @@ def unwrap_pitfall(rows_per_rank: int = 8, cols: int = 64, seed: int = 0) -> Unw
         naive_dequantize=naive_dequantize,
         naive_table=naive_table,
         unwrapped_max_err=(master - ref_w).abs().max().item(),
+        max_abs_weight=ref_w.abs().max().item(),
+        lr=HP["lr"],
     )
 
 
@@ -176,7 +182,7 @@ class LossWentDown:
     broken_passed_seeds: list[int]  # seeds where the BROKEN optimizer (climbs the loss) passes it
     max_diff_correct: list[float]  # per seed: max |FusedAdam param - torch AdamW param| after the run
     max_diff_broken: list[float]  # per seed: the same for the broken optimizer
-    tolerances: list[float]  # per seed: the derived tolerance (steps * 4 fp32 ulps of max |param|)
+    tolerances: list[float]  # per seed: adamw_tolerance(steps, max |param|, lr): 4 eps (max |param| + lr) per step
 
 
 def _regression_run(seed: int, steps: int, broken: bool, device, dim: int = 32, batch: int = 8):
@@ -200,7 +206,7 @@ def _regression_run(seed: int, steps: int, broken: bool, device, dim: int = 32, 
         opt.step()
         ref_opt.step()
     diff = (ours.detach() - ref.detach()).abs().max().item()
-    tol = steps * 4 * torch.finfo(torch.float32).eps * max(ref.detach().abs().max().item(), 1.0)
+    tol = adamw_tolerance(steps, ref.detach().abs().max().item(), HP["lr"])
     return losses, diff, tol
 
 

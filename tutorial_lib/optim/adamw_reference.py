@@ -12,9 +12,12 @@ It follows ``torch.optim.AdamW``'s single-tensor path op for op, so on the CPU i
     denom      = sqrt(exp_avg_sq) / bc2_sqrt + eps           # eps OUTSIDE the sqrt, after correction
     param     -= step_size * exp_avg / denom
 
-The Triton kernels (``tutorial_kernels.adam``) compute the same formula in fp32 and take the two
-step-dependent scalars from ``adam_step_scalars`` (float64, then rounded to fp32 once) so the
-bias corrections are never computed in fp32: ``1 - 0.999 ** 1`` in fp32 is off by ~1.3e-5 relative.
+The Triton kernels (``tutorial_kernels.adam``) compute the same formula in fp32, in the same order
+except the last line: they divide first, ``param - step_size * (exp_avg / denom)``, where torch's CPU
+``addcdiv`` (and so this reference) computes ``param + (-step_size * exp_avg) / denom``. That may round
+the update differently: kernel and reference agree within :func:`adamw_tolerance`, not bit for bit.
+The kernels take the two step-dependent scalars from ``adam_step_scalars`` (float64, then rounded
+to fp32 once) so the bias corrections are never computed in fp32: ``1 - 0.999 ** 1`` in fp32 is off by ~1.3e-5 relative.
 Those scalars are the host-side half of the kernel's math, so they are defined once, in
 ``tutorial_kernels.adam``, and re-exported here.
 
@@ -31,7 +34,8 @@ from __future__ import annotations
 import torch
 from tutorial_kernels.adam import adam_step_scalars, adam_step_scalars_tensor
 
-__all__ = ["adam_bytes_per_element", "adam_step_scalars", "adam_step_scalars_tensor", "adamw_reference_step_"]
+__all__ = ["adam_bytes_per_element", "adam_step_scalars", "adam_step_scalars_tensor", "adamw_reference_step_",
+           "adamw_tolerance"]
 
 
 @torch.no_grad()
@@ -76,3 +80,19 @@ def adam_bytes_per_element(weight_bytes: int, grad_bytes: int, out_bytes: int = 
     """
     w = 4 if master else weight_bytes
     return (w + grad_bytes + 4 + 4) + (w + 4 + 4 + out_bytes)
+
+
+def adamw_tolerance(steps: int, max_abs_weight: float, lr: float, roundings: int = 4) -> float:
+    """``steps * roundings * eps * (max_abs_weight + lr)``: how far two correct fp32 AdamW runs may
+    drift apart after ``steps`` steps on the same gradients (eps: fp32 machine epsilon).
+
+    Two implementations may order the update's fp32 operations differently (the kernels compute
+    ``step_size * (m / denom)``, this reference ``addcdiv``), so a step may round differently: the
+    update, of the order of ``lr``, by a rounding or two (at most ``eps * lr`` each), and the new
+    weight by one rounding (at most ``eps * max_abs_weight``). ``roundings`` such roundings per step,
+    added over the steps. A real bug (a wrong sign, a missing bias correction) is off by a fraction
+    of ``lr`` per step: orders of magnitude outside.
+    """
+    if steps < 0 or max_abs_weight < 0 or lr < 0:
+        raise ValueError(f"adamw_tolerance needs steps, max_abs_weight, lr >= 0, got {steps}, {max_abs_weight}, {lr}")
+    return steps * roundings * torch.finfo(torch.float32).eps * (max_abs_weight + lr)

@@ -4,10 +4,9 @@ Under FSDP2 each rank holds a shard of every parameter, but an FP8 parameter wit
 (``tutorial_lib.quant.float8.CurrentScaling(group=...)``) needs ONE scale for the whole tensor:
 ``scale = 448 / amax`` with the amax taken over every rank's shard. Requantizing parameter by
 parameter (``local.copy_(master)``) therefore issues one all-reduce per parameter per step --
-a few bytes each, so each costs a collective's fixed latency (tens of microseconds on NCCL,
-more on gloo), thousands of them per step on a large model. Production float8 stacks batch
-them (torchao's ``precompute_float8_dynamic_scale_for_fsdp`` after the optimizer step): the
-amaxes of all parameters are stacked into one vector and reduced at once::
+a few bytes each, so each costs a collective's fixed latency, thousands of them per step on a
+large model. Batching them after the optimizer step removes all but one: the amaxes of all
+parameters are stacked into one vector and reduced at once::
 
     per parameter                          batched (this module)
     for p: amax(p) -> all_reduce -> cast   amaxes = stack(amax(p) for p)    N small kernels

@@ -31,9 +31,11 @@ route, the kernel writing the masters and ``tutorial_lib.optim.amax_reduce.requa
 Per param group a :class:`~tutorial_lib.optim.fused_adam_plan.Plan` builds the kernel tables
 (``tutorial_kernels.adam_tables``) once. Per step the host makes a few C-level passes over the parameters
 (new storage? where are the grads? are new grads valid?) and writes two step scalars -- never a
-kernel launch or a DTensor op per parameter; ``tutorial_lib.optim.fused_adam_plan`` lists the passes and
-what they cost. The tables are rebuilt when a parameter gets new storage (``p.data = ...``, FSDP2's
-lazy init).
+kernel launch or a DTensor op per parameter; ``tutorial_lib.optim.fused_adam_plan`` lists the passes.
+The tables are rebuilt when a parameter gets new storage (``p.data = ...``, FSDP2's lazy init), and
+when a parameter frozen at build time (``requires_grad=False``, no grad) gets a grad: like
+``torch.optim.AdamW``, a step updates exactly the parameters whose grad is not None (state created
+at the first one), and a parameter without a grad keeps its values, state and step count.
 
 Optimizer state (``self.state[p]``), all fp32, DTensors with ``p``'s mesh and placements when
 ``p`` is a DTensor, so DCP saves and reshards it like the parameters::
@@ -98,7 +100,15 @@ from tutorial_kernels.adam import launch_adamw
 from tutorial_kernels.adam_current_scaling import launch_current_scaling_cast
 
 from tutorial_lib.optim.amax_reduce import requantize
-from tutorial_lib.optim.fused_adam_plan import MASTER_ROUTES, ROUTES, Bucket, Plan, fused_fp8_format, route_param
+from tutorial_lib.optim.fused_adam_plan import (
+    MASTER_ROUTES,
+    ROUTES,
+    Bucket,
+    Plan,
+    fused_fp8_format,
+    planned_param,
+    route_param,
+)
 from tutorial_lib.quant.float8 import record_amaxes
 from tutorial_lib.quant.per_tensor import all_reduce_amax, amax
 from tutorial_lib.quant.tensor import HP_INIT_ATTR, is_quantized, local_tensor
@@ -221,9 +231,10 @@ class FusedAdam(torch.optim.Optimizer):
         self._graph = None
 
     def routes(self) -> list[list[str]]:
-        """Per param group, the route each (requires_grad) parameter takes: what lesson 08 prints."""
+        """Per param group, the route each parameter the step covers (``planned_param``: requires_grad,
+        or a grad set) takes: what lesson 08 prints."""
         return [[route_param(local_tensor(p), g["master_weights"], i)
-                 for i, p in enumerate(g["params"]) if p.requires_grad]
+                 for i, p in enumerate(g["params"]) if planned_param(p)]
                 for g in self.param_groups]
 
     @torch.no_grad()
@@ -314,7 +325,8 @@ class FusedAdam(torch.optim.Optimizer):
         or a training step captured in a graph of its own). Replaying checks the first and last
         parameter's grad address (a cheap guard against ``set_to_none`` grads, not a full check).
         Parameters and optimizer state must keep their storage too: after ``p.data = ...``,
-        FSDP2 re-sharding or loading state, call :meth:`rebuild` (drops the graph) and capture again.
+        FSDP2 re-sharding, loading state or unfreezing a parameter, call :meth:`rebuild` (drops the
+        graph) and capture again.
         Per-tensor FP8 parameters whose quantizers all-reduce over a process group are refused
         (collectives are not captured here). :meth:`rebuild`, ``load_state_dict`` and
         ``add_param_group`` drop the graph; so does :meth:`release_graph`.
@@ -423,7 +435,7 @@ class FusedAdam(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for i, p in enumerate(group["params"]):  # fail now, not at the first step: e.g. no master weights
-            if p.requires_grad:
+            if planned_param(p):
                 route_param(local_tensor(p), group["master_weights"], i)
         self.rebuild()
 

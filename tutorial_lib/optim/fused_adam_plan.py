@@ -5,10 +5,11 @@ Routing (:func:`route_param`) reads the storage protocol of each parameter's LOC
 its dtype alone. Parameters of one route and dtype share a :class:`Bucket`: one set of kernel tables
 (``tutorial_kernels.adam_tables``), one launch per step. A :class:`Plan` holds the buckets of a group and is
 built once; per step it answers, each with a few ``map`` passes over the parameters with C-level
-callables (no Python bytecode per parameter: 30-100 ns each instead of ~1 us)::
+callables (no Python bytecode per parameter)::
 
     stale()                new storage since the tables were built? -> build a new Plan
                              plain: p.data_ptr() per parameter    DTensor: same _local_tensor object?
+                           a parameter left out (frozen at build time) got a grad? -> build a new Plan
     grads_and_addresses()  p.grad (torch-function off) [-> ._local_tensor] -> .data_ptr()
     refresh_grads()        only if the addresses changed: bulk-validate (type, dtype, size, device,
                            contiguity), write each bucket's grad row (one non-blocking copy)
@@ -33,6 +34,7 @@ Example (FusedAdam builds one :class:`Plan` per param group; the routes are publ
 from __future__ import annotations
 
 import array
+import itertools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,7 +51,7 @@ from tutorial_lib.quant.mxfp8 import MXFP8Quantizer, MXFP8Tensor
 from tutorial_lib.quant.tensor import is_quantized, local_tensor
 
 __all__ = ["ROUTES", "MASTER_ROUTES", "Bucket", "Plan", "fused_block_format", "fused_current_scaling",
-           "fused_fp8_format", "route_param"]
+           "fused_fp8_format", "planned_param", "route_param"]
 
 ROUTES = ("fp32", "lowp", "lowp_master", "fp8_fused", "requantize")
 MASTER_ROUTES = ("lowp_master", "fp8_fused", "requantize")
@@ -129,6 +131,13 @@ def fused_block_format(local: torch.Tensor) -> tuple[str, str] | None:
     if not scale.is_contiguous() or scale.numel() * group != local.numel():
         return None
     return out, rule
+
+
+def planned_param(p: torch.Tensor) -> bool:
+    """Does a :class:`Plan` cover ``p``: ``requires_grad``, or a grad already set. A parameter left out
+    (frozen, no grad) is watched per step and joins the plan when it gets a grad -- as
+    ``torch.optim.AdamW``, which updates every parameter whose grad is not None at that step."""
+    return p.requires_grad or p.grad is not None
 
 
 def route_param(local: torch.Tensor, master_weights: bool, index: int = 0) -> str:
@@ -215,7 +224,12 @@ class Plan:
         for key in ("amsgrad", "maximize"):  # e.g. hyper-parameters loaded from a torch.optim.AdamW state
             if group.get(key):
                 raise ValueError(f"FusedAdam does not implement {key}=True (found in a param group)")
-        self.params = [p for p in group["params"] if p.requires_grad]
+        # torch.optim steps a parameter whenever it has a grad. The plan covers the parameters that
+        # may get one (requires_grad, or a grad already set); the others are watched by stale(), so
+        # a parameter unfrozen later joins at the step it first has a grad (with fresh state, as in torch).
+        covered = list(map(planned_param, group["params"]))
+        self.params = list(itertools.compress(group["params"], covered))
+        self.left_out = [p for p, c in zip(group["params"], covered) if not c]
         n_dt = sum(isinstance(p, DTensor) for p in self.params)
         self.kind = "plain" if n_dt == 0 else "dtensor" if n_dt == len(self.params) else "mixed"
         locs = self.locals()
@@ -319,19 +333,28 @@ class Plan:
         return [t.data_ptr() or id(t) for t in self.locals()]
 
     def stale(self) -> bool:
-        """Did a parameter get new storage since the tables were built?
+        """Did a parameter get new storage, or a left-out (frozen) parameter a grad, since the build?
 
         Plain parameters: their ``data_ptr()`` changed -- ``p.data = x`` keeps the object and swaps
         its storage. DTensor parameters: their local shard is another OBJECT -- FSDP2 (lazy init,
         ``reset_sharded_param``) and ``torch.utils.swap_tensors`` give a DTensor new storage by
         installing a new ``_local_tensor`` (while ``p.data = other_dtensor`` leaves the shard as it
-        was). One identity pass, ~half the cost of reading every shard's address, so DTensor
-        parameters cost no more per step than plain ones. Swapping the storage of the shard object
-        itself (``p._local_tensor.data = x``) is not noticed: call ``FusedAdam.rebuild()`` after that.
+        was). One identity pass: no address is read, less work than the plain parameters' pass.
+        Swapping the storage of the shard object itself (``p._local_tensor.data = x``) is not
+        noticed: call ``FusedAdam.rebuild()`` after that. A parameter left out of the plan (frozen
+        when it was built) that has a grad now makes the plan stale: it joins at this step.
         """
+        if self.left_out and self.left_out_got_grads():
+            return True
         if self.kind == "dtensor":
             return not all(map(operator.is_, map(_LOCAL_TENSOR, self.params), self.local_objects))
         return self.storage_signature() != self.signature
+
+    def left_out_got_grads(self) -> bool:
+        """Has a parameter the plan left out (frozen when it was built) got a grad since? One pass of
+        ``p.grad is None`` over those parameters only: nothing per step when none was left out."""
+        with torch._C.DisableTorchFunctionSubclass():  # p.grad on a DTensor: skip __torch_function__
+            return not all(map(operator.is_, map(_GRAD, self.left_out), itertools.repeat(None)))
 
     def grads_and_addresses(self) -> tuple[list, list[int]]:
         """This step's local grads and their addresses (-1: no grad). Fast path: every parameter has

@@ -1,0 +1,148 @@
+"""FusedAdam steps exactly the parameters torch.optim.AdamW steps: those whose grad is not None.
+
+A parameter frozen (requires_grad=False) when the kernel tables were built and unfrozen later must
+be updated from the step it first has a grad, as torch does; a parameter frozen later, or whose grad
+is None at a step, must keep its values, state and step count. Compared with torch.optim.AdamW
+(single-tensor path) within 1e-6 relative, as test_fused_adam.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import tutorial_kernels  # noqa: F401  (first: on CPU it sets TRITON_INTERPRET=1 before triton is imported)
+
+# isort: split
+from tutorial_lib.optim.fused_adam import FusedAdam
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+HP = dict(lr=1e-1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+
+
+def _pair(shapes, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    ours = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype).to(DEV)) for s in shapes]
+    return ours, [torch.nn.Parameter(p.detach().clone()) for p in ours]
+
+
+def _grads(params, step):
+    g = torch.Generator().manual_seed(1000 + step)
+    return [torch.randn(p.shape, generator=g).to(DEV) for p in params]
+
+
+def _run(ours, theirs, opt, ref, schedule, steps, dtype=torch.float32):
+    """``schedule(step) -> (frozen indices, indices whose grad is None)``; both optimizers see the same."""
+    for step in range(steps):
+        frozen, no_grad = schedule(step)
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            a.requires_grad_(i not in frozen)
+            b.requires_grad_(i not in frozen)
+        for i, (a, b, g) in enumerate(zip(ours, theirs, _grads(ours, step))):
+            skip = i in frozen or i in no_grad
+            a.grad = None if skip else g.to(dtype)
+            b.grad = None if skip else g.to(dtype).to(b.dtype)
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+
+
+def _assert_like_torch(ours, theirs, opt, ref):
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        torch.testing.assert_close(a.detach().float(), b.detach().float(), rtol=1e-6, atol=1e-7,
+                                   msg=lambda m, i=i: f"parameter {i}: {m}")
+        assert (a in opt.state) == (b in ref.state), f"parameter {i}: state created by one optimizer only"
+        if b in ref.state:
+            assert opt.state[a]["step"].item() == ref.state[b]["step"].item(), f"parameter {i}: step count"
+
+
+def test_frozen_at_the_first_step_then_unfrozen_is_updated_like_torch():
+    ours, theirs = _pair([(4,), (5,), (3, 2)], 0)
+    opt, ref = FusedAdam(ours, **HP), torch.optim.AdamW(theirs, foreach=False, **HP)
+    # parameter 1: frozen for steps 0-1 (no state, untouched), trained from step 2 on
+    _run(ours, theirs, opt, ref, lambda s: ({1} if s < 2 else set(), set()), steps=5)
+    _assert_like_torch(ours, theirs, opt, ref)
+    assert opt.state[ours[1]]["step"].item() == 3 and opt.state[ours[0]]["step"].item() == 5
+
+
+def test_frozen_at_build_time_never_unfrozen_stays_out_of_the_state():
+    ours, theirs = _pair([(4,), (5,)], 1)
+    before = ours[1].detach().clone()
+    opt, ref = FusedAdam(ours, **HP), torch.optim.AdamW(theirs, foreach=False, **HP)
+    _run(ours, theirs, opt, ref, lambda s: ({1}, set()), steps=3)
+    _assert_like_torch(ours, theirs, opt, ref)
+    assert torch.equal(ours[1].detach(), before) and ours[1] not in opt.state
+
+
+def test_freeze_unfreeze_freeze_and_grads_missing_at_some_steps():
+    ours, theirs = _pair([(7,), (3, 3), (1,), (16,)], 2)
+    opt, ref = FusedAdam(ours, **HP), torch.optim.AdamW(theirs, foreach=False, **HP)
+
+    def schedule(step):
+        frozen = {2} if step < 3 or step in (6, 7) else set()  # frozen, unfrozen, frozen again, unfrozen
+        no_grad = {0} if step % 3 == 1 else {3} if step == 5 else set()  # requires_grad, but no grad this step
+        return frozen, no_grad
+
+    _run(ours, theirs, opt, ref, schedule, steps=10)
+    _assert_like_torch(ours, theirs, opt, ref)
+    assert [opt.state[p]["step"].item() for p in ours] == [7, 10, 5, 9]
+
+
+def test_unfrozen_bf16_parameter_gets_its_master_seeded_when_it_joins():
+    ours, theirs = _pair([(8,), (6,)], 3, dtype=torch.bfloat16)
+    masters = [torch.nn.Parameter(p.detach().float().clone()) for p in ours]  # torch on fp32 copies
+    opt = FusedAdam(ours, master_weights=True, **HP)
+    ref = torch.optim.AdamW(masters, foreach=False, **HP)
+    _run(ours, masters, opt, ref, lambda s: ({0} if s < 2 else set(), set()), steps=4, dtype=torch.bfloat16)
+    for a, m in zip(ours, masters):
+        torch.testing.assert_close(opt.state[a]["master_param"], m.detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(a.detach(), m.detach().to(torch.bfloat16))  # bf16 weight = RNE(master)
+    assert opt.state[ours[0]]["step"].item() == 2
+
+
+def test_a_grad_set_on_a_parameter_without_requires_grad_is_used_like_torch():
+    ours, theirs = _pair([(4,), (4,)], 4)
+    for p in (ours[1], theirs[1]):
+        p.requires_grad_(False)
+    opt, ref = FusedAdam(ours, **HP), torch.optim.AdamW(theirs, foreach=False, **HP)
+    for step in range(3):
+        for a, b, g in zip(ours, theirs, _grads(ours, step)):
+            a.grad, b.grad = g.clone(), g.clone()  # torch.optim reads p.grad, not requires_grad
+        opt.step()
+        ref.step()
+    _assert_like_torch(ours, theirs, opt, ref)
+
+
+def test_unfrozen_dtensor_parameter_is_updated_like_torch(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    if DEV != "cpu":
+        pytest.skip("one-rank gloo mesh: CPU tensors")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=20))
+    try:
+        mesh = DeviceMesh("cpu", [0])
+        plain, theirs = _pair([(6,), (4, 3)], 5)
+        ours = [torch.nn.Parameter(DTensor.from_local(p.detach().clone(), mesh, [Shard(0)], run_check=False))
+                for p in plain]
+        opt, ref = FusedAdam(ours, **HP), torch.optim.AdamW(theirs, foreach=False, **HP)
+        for step in range(4):
+            frozen = step < 2
+            ours[1].requires_grad_(not frozen)
+            theirs[1].requires_grad_(not frozen)
+            for i, (a, b, g) in enumerate(zip(ours, theirs, _grads(theirs, step))):
+                skip = i == 1 and frozen
+                a.grad = None if skip else DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False)
+                b.grad = None if skip else g.clone()
+            opt.step()
+            ref.step()
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a.detach().to_local(), b.detach(), rtol=1e-6, atol=1e-7)
+        assert opt.state[ours[1]]["step"].item() == 2
+        assert isinstance(opt.state[ours[1]]["exp_avg"], DTensor)
+    finally:
+        dist.destroy_process_group()
