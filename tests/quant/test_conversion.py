@@ -40,6 +40,25 @@ def test_a_float_conversion_returns_plain_dequantized_values(name, nominal, dtyp
         assert torch.equal(out, _expected(q, dtype)), how
 
 
+
+@pytest.mark.parametrize("nominal", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_type_and_type_as_return_values_like_to(nominal, dtype):
+    """torch's C++ type()/type_as() return ``self`` for the same dtype, before any dispatch."""
+    q = _q("fp8", nominal)
+    name = {torch.float32: "torch.FloatTensor", torch.bfloat16: "torch.BFloat16Tensor"}[dtype]
+    with strict_dispatch():
+        outs = {"type(dtype)": q.type(dtype), "type(str)": q.type(name),
+                "type_as": q.type_as(torch.zeros(1, dtype=dtype))}
+    for how, out in outs.items():
+        assert type(out) is torch.Tensor and out.dtype == dtype, how
+        assert torch.equal(out, _expected(q, dtype)), how
+    assert q.type() == {torch.float32: "torch.FloatTensor", torch.bfloat16: "torch.BFloat16Tensor"}[nominal]
+    with nominal_dtype_casts():  # the explicit relabelling path covers them too
+        assert type(q.type(dtype)) is type(q) and q.type_as(torch.zeros(1, dtype=dtype)).dtype == dtype
+    with strict_dispatch(), pytest.raises(QuantizedFallbackError, match="_to_copy"):
+        q.type(torch.int32)  # an integer type is a fallback, as for .to
+
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_device_moves_and_copies_stay_quantized(name):
     q = _q(name)

@@ -645,3 +645,28 @@ def test_real_current_scaling_quantizer_with_a_group_through_the_tensor(gloo_gro
     with pytest.raises(RuntimeError, match="dropped when it was pickled"):
         back.copy_(x)  # refuses to scale per shard silently
     assert copy.deepcopy(q).quantizer.group is gloo_group  # deepcopy stays in-process: shares the group
+
+
+def test_why_the_codes_are_uint8_each_claim_of_the_module_docstring(gloo_group):
+    """float8.py: on CPU a float8 tensor has only some kernels, no .numpy(), no plain-pickle round
+    trip and no gloo collectives; its uint8 view has all of them."""
+    f8 = torch.randn(4, 4, generator=torch.Generator().manual_seed(0)).to(torch.float8_e4m3fn)
+    u8 = f8.view(torch.uint8)
+    for runs in (lambda t: t == t, lambda t: t.abs(), lambda t: torch.cat([t, t]), lambda t: t[[0, 1]],
+                 lambda t: t * t):
+        runs(f8)
+    for fails in (lambda t: t + t, lambda t: t - t, lambda t: t / t, lambda t: t.sum(), lambda t: t.max(),
+                  lambda t: t < t, lambda t: torch.equal(t, t)):
+        with pytest.raises(RuntimeError, match="not implemented for 'Float8_e4m3fn'"):
+            fails(f8)
+    with pytest.raises(TypeError):
+        f8.numpy()
+    with pytest.raises(Exception, match="dtype"):
+        pickle.loads(pickle.dumps(f8))
+    with pytest.raises(RuntimeError, match="Invalid scalar type"):
+        gloo_group.allgather([[torch.empty_like(f8)]], [f8]).wait()
+    assert torch.equal(u8 + u8, u8 * 2) and torch.equal(pickle.loads(pickle.dumps(u8)), u8)
+    assert u8.numpy().shape == (4, 4)
+    out = [torch.empty_like(u8)]
+    gloo_group.allgather([out], [u8]).wait()
+    assert torch.equal(out[0], u8)

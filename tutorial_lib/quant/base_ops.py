@@ -11,7 +11,9 @@ quantized and which caller needs it::
                      .float() / .to(other float dtype): a PLAIN dequantized tensor (see below)
     is_pinned, _pin_memory   DCP staging and FSDP2 CPU offload
     as_strided       only the identity (FSDP2 re-strides its unsharded parameter)
-    *_like           PLAIN tensors of the nominal dtype (optimizer state must not be FP8)
+    zeros_like, empty_like, ones_like, full_like
+                     PLAIN tensors of the nominal dtype (optimizer state must not be FP8);
+                     other *_like ops (randn_like, rand_like, ...) and new_ones/new_full fall back
     new_empty/zeros  the SAME subclass (FSDP2 pads shards, DCP's stager fills new_empty)
 
 A float dtype conversion is a request for VALUES in that dtype: ``q.float()``, ``q.to(torch.bfloat16)``
@@ -132,7 +134,7 @@ def _handle_as_strided(func, args, kwargs):
     aten.zeros_like.default, aten.empty_like.default, aten.ones_like.default, aten.full_like.default
 )
 def _handle_like(func, args, kwargs):
-    """*_like: a PLAIN tensor of the nominal dtype: optimizer state (AdamW moments) must not be FP8."""
+    """zeros/empty/ones/full_like: a PLAIN tensor of the nominal dtype: AdamW's moments must not be FP8."""
     t = args[0]
     proxy = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
     kwargs = dict(kwargs)

@@ -17,7 +17,9 @@ Two paths reach the conversion. A dtype CHANGE reaches ``__torch_dispatch__`` as
 (handler in :mod:`tutorial_lib.quant.base_ops`). A conversion to the dtype the tensor already
 reports never does: ``Tensor.to`` returns ``self`` before dispatch when nothing changes, so
 :class:`FloatConversions` (a mixin of ``QuantizedTensor``) intercepts ``to`` / ``float`` /
-``double`` / ``half`` / ``bfloat16`` for that case. A DTensor wrapping a quantized local tensor
+``double`` / ``half`` / ``bfloat16`` / ``type(dtype)`` / ``type_as(other)`` for that case (these
+methods are the covered ones; ``q.to(device)`` without a dtype is a move, not a conversion, and
+stays quantized). A DTensor wrapping a quantized local tensor
 still short-circuits at the DTensor level (``p.float()`` on a DTensor of nominal dtype fp32
 returns ``p``): for masters, dequantize the local tensor explicitly.
 
@@ -130,3 +132,22 @@ class FloatConversions:
 
     def bfloat16(self, memory_format=torch.preserve_format):  # noqa: D102
         return self.to(torch.bfloat16, memory_format=memory_format)
+
+    def type(self, dtype=None, non_blocking=False, **kwargs):
+        """``torch.Tensor.type``; a float type (the nominal one included) returns values, as ``to`` does."""
+        if dtype is None and not kwargs:
+            return torch.Tensor.type(self)  # the type name, e.g. "torch.BFloat16Tensor"
+        return _values(torch.Tensor.type(self, dtype, non_blocking, **kwargs), non_blocking)
+
+    def type_as(self, other):
+        """``torch.Tensor.type_as``; a float type (the nominal one included) returns values, as ``to`` does."""
+        return _values(torch.Tensor.type_as(self, other), False)
+
+
+def _values(out, non_blocking: bool):
+    """What torch's ``type`` / ``type_as`` gave back: still quantized only where torch short-circuited
+    (same dtype: ``self``) or only moved the bytes (same dtype, other device). Both were asked for a
+    float type, so both become values, like ``q.to(q.dtype)`` (unless nominal casts are on)."""
+    if isinstance(out, FloatConversions):
+        return out.to(out.dtype, non_blocking=non_blocking)
+    return out

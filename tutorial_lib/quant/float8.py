@@ -16,11 +16,12 @@ What one ``Float8Tensor`` of shape [2, 3] holds (nominal dtype bf16)::
       _fmt       "e4m3"         which FP8 format the codes are in
       quantizer  CurrentScaling | DelayedScaling | None
 
-The bytes are stored as ``uint8``, not as ``torch.float8_e4m3fn``: float8 tensors cannot be
-used in arithmetic on CPU, have no ``.numpy()``, and plain ``pickle`` of them fails on load
-(on torch 2.13; ``tests/quant/test_float8.py`` checks each); uint8 has none of these problems and gloo can
-all-gather it. The
-float8 dtype is only used for one exact cast in :meth:`Float8Tensor.dequantize`.
+The bytes are stored as ``uint8``, not as ``torch.float8_e4m3fn``. On CPU a float8 tensor has
+only some kernels (``==``, ``abs``, ``cat``, indexing, float8 ``*`` float8 run; ``+``, ``-``, ``/``,
+``sum``, ``max``, ``<`` and ``torch.equal`` raise "not implemented"), has no ``.numpy()``, plain
+``pickle`` of it fails on load, and gloo rejects it in every collective (on torch 2.13;
+``tests/quant/test_float8.py`` checks each). uint8 has none of these problems. The float8 dtype is
+only used for one exact cast in :meth:`Float8Tensor.dequantize`.
 
 One scale for the whole tensor makes every view exact: a view of the codes with the same
 ``scale_inv`` *is* the view of the values. So ``view``/``reshape``/``t``/``transpose``/
@@ -133,7 +134,8 @@ class Float8Tensor(QuantizedTensor):
         if data.dtype in FP8_DTYPES.values():
             raise TypeError(
                 f"Float8Tensor data must hold the FP8 codes as torch.uint8; got {data.dtype}: pass "
-                "data.view(torch.uint8) (float8 tensors cannot be pickled or used in CPU arithmetic)"
+                "data.view(torch.uint8) (plain pickle cannot rebuild a float8 tensor, gloo rejects it, and on "
+                "CPU it lacks most arithmetic kernels, torch.equal's included)"
             )
         if data.dtype != torch.uint8:
             raise TypeError(f"Float8Tensor data must be torch.uint8 FP8 codes, got {data.dtype}")
@@ -367,9 +369,8 @@ class DelayedScaling(_PerTensorQuantizer):
 
     The scale used by call ``t`` comes from amaxes of calls ``< t`` (``algo="max"`` over the
     last ``history_len`` or ``"most_recent"``), divided by ``2**margin`` for headroom. It
-    starts at 1.0 (as in TransformerEngine). A non-finite or zero amax is recorded in
-    ``amax_history`` but leaves the scale unchanged (TransformerEngine's rule): a step that
-    overflowed does not poison the scale."""
+    starts at 1.0. A non-finite or zero amax is recorded in ``amax_history`` but leaves the
+    scale unchanged, so a step that overflowed does not poison the scale."""
 
     def __init__(self, fmt: str = "e4m3", history_len: int = 16, algo: str = "max", margin: int = 0, group=None,
                  *, pow2_scales: bool = False, amax_eps: float = 1e-12, backend: str = "auto"):

@@ -49,9 +49,10 @@ Extension points for the other modules:
   this class defines neither hook; ``tutorial_lib.setup()`` attaches one implementation for every
   format (:mod:`tutorial_lib.dist.fsdp2`). A quantizer's ``quantize_into`` must write ``dst``'s
   buffers IN PLACE, never rebind them, because views share buffer objects.
-* **Allocation and DCP staging**: see :mod:`tutorial_lib.quant.base_ops` (``*_like`` returns plain
-  tensors, ``new_empty``/``new_zeros`` the same subclass, and why); all state lives in plain
-  instance attributes, which DCP's async stager copies from ``__dict__``.
+* **Allocation and DCP staging**: see :mod:`tutorial_lib.quant.base_ops` (``zeros_like``,
+  ``empty_like``, ``ones_like`` and ``full_like`` return plain tensors, ``new_empty``/``new_zeros``
+  the same subclass, and why); all state lives in plain instance attributes, which DCP's async
+  stager copies from ``__dict__``.
 """
 
 from __future__ import annotations
@@ -114,9 +115,6 @@ def _written_args(func) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 
 _WRITES: dict = {}
-
-
-add_safe_global(Layout)  # quantized tensors pickle their class-level Layout with them
 
 
 class QuantizedTensor(PicklableWrapper, FloatConversions, torch.Tensor):
@@ -277,7 +275,8 @@ class QuantizedTensor(PicklableWrapper, FloatConversions, torch.Tensor):
 
         A view that covers fewer elements than its source shares scales with elements outside
         it; ``_view_root`` then points at the tensor that owns all of them, so a requantizing
-        write can rescale the whole root instead of corrupting the elements it cannot see.
+        write can rescale the whole root instead of corrupting the elements it cannot see
+        (deep copies and pickles keep that link: :mod:`tutorial_lib.quant.serialization`).
         """
         out = type(self)._make(buffers, self.meta(), shape, dtype or self.dtype, self.quantizer)
         if view:
