@@ -22,8 +22,10 @@ turns that silent error into an exception (lesson 06 shows both).
 
 The version-counter trap. On the second and later all-gathers FSDP2 passes ``out=`` (the
 unsharded parameter it keeps). ``out.copy_(new)`` bumps ``out``'s version counter, which
-autograd saved in forward (our linear saves the quantized weight), so backward fails with
-"modified by an inplace operation ... output 0 of AsStrided". The fix is structural, not a
+autograd saved in forward (our linear saves the quantized weight, the leaf ``nn.Parameter`` FSDP2
+wraps around the unsharded tensor), so backward fails with "one of the variables needed for
+gradient computation has been modified by an inplace operation: [...] is at version 1; expected
+version 0 instead". The fix is structural, not a
 clone: the unsharded tensor's buffers *are* views of FSDP2's all-gather output storage, which
 FSDP2 frees and refills in place, so nothing needs copying; only the 0-d scale buffers are
 written, and they are plain inner tensors autograd never saw. (``post_all_gather_mode("copy")``

@@ -10,8 +10,8 @@ FSDP2 flattens every local shard with ``view(-1)``, and not only in ``fully_shar
 
 A block format refuses that view unless an :func:`~tutorial_lib.quant.view_policy.allow_flat_views`
 scope is active on the thread (lesson 04). A scope around ``fully_shard`` covers the first row
-only; the other rows happen deep inside calls nobody wraps -- resuming a training run with
-``load_checkpoint`` raised ``QuantizedViewError`` there for MXFP8, NVFP4 and FP8 blockwise. So the
+only; the other rows happen deep inside calls nobody wraps -- without this module, resuming a training
+run with ``load_checkpoint`` would raise ``QuantizedViewError`` there for MXFP8, NVFP4 and FP8 blockwise. So the
 decision is taken once, per parameter: :func:`follow_first_flatten` wraps the two ``FSDPParam``
 methods so that ``_init_sharded_param`` records the scope active at ``fully_shard`` and every
 later ``reset_sharded_param`` of that parameter re-enters it. A shard first flattened outside any

@@ -8,11 +8,12 @@ The sequence (lesson 06)::
                                                                 in reset_sharded_param's storage check)
     fully_shard_blocks(model, mesh)                          3. FSDP2 chunks, pads, flattens (view(-1)),
                                                                 wraps each shard in a DTensor: all on meta
-    materialize_sharded_(model, device)                      4. per parameter, per rank:
-        rows = local_rows(param)                                 the rows of MY shard
-        amax = max over chunks of init(rows)    --all-reduce-->  one scale for the whole tensor
+    materialize_sharded_(model, device)                      4. per parameter, per rank (per-tensor
+        rows = local_rows(param)                                 current scaling; other quantizers
+        amax = max over chunks of init(rows)    --all-reduce-->  quantize the whole fp32 shard at once):
         data = quantize(init(rows), scale)                       chunk by chunk, regenerated, never stored
-        param <- DTensor.from_local(data)                        load_state_dict(assign=True): FSDP2 re-pads
+        param <- DTensor.from_local(data)                        load_state_dict(assign=True): the new
+                                                                 shard buffer (padded if this rank is short)
 
 Step 4 uses the counter-based init of :mod:`tutorial_lib.models`, so the sharded quantized model
 equals the single-process quantized model with the same seed, byte for byte. With
@@ -192,9 +193,12 @@ def materialize_sharded_(model: nn.Module, device, *, seed: int | None = None,
 
     Each rank generates only the rows of its shard (counter-based, :func:`models.counter_uniform`);
     quantized parameters are quantized from fp32 with the amax all-reduced over the parameter's
-    mesh group and installed with ``load_state_dict(assign=True)``, which makes FSDP2 re-pad the
-    shard. Returns ``{fqn: local numel}``. ``share_scales=False`` skips attaching the group: each
-    shard then gets its own per-tensor scale (THE PITFALL of lesson 06, for demonstration only).
+    mesh group and installed with ``load_state_dict(assign=True)``, which makes FSDP2 take the new
+    shard as its shard buffer (padded only if this rank's shard is short). Per-tensor current scaling
+    streams the rows in chunks (two passes, no fp32 copy of the shard); any other quantizer gets the
+    whole fp32 shard at once. Returns ``{fqn: local numel}``. ``share_scales=False`` skips attaching
+    the group: each shard then gets its own per-tensor scale (THE PITFALL of lesson 06, for
+    demonstration only).
     """
     seed = getattr(model, "init_seed", 0) if seed is None else seed
     device = torch.device(device)

@@ -2,12 +2,15 @@
 
 FSDP2 does **not** decide once, at ``fully_shard``, whether a parameter uses the all-gather hooks: it
 looks for ``fsdp_pre_all_gather`` on the local tensor at every all-gather, and re-runs its extension
-detection at lazy init. Nor are its buffers fixed at ``fully_shard``: at lazy init (the first forward)
-``FSDPParam.reset_sharded_param`` re-pads a local tensor that changed since then (``new_zeros`` of the
-new tensor) and makes its flat view the new shard buffer -- its comment names
-``load_state_dict(assign=True)`` as a supported way to replace parameters, and the all-gather output
-buffers are allocated later still, sized from the hooks' inputs. A plain fp32 shard swapped into a
-bf16 model comes out of the first forward with an fp32 shard buffer (``plain_swap_buffer_dtypes``).
+detection at lazy init. Nor is its shard buffer fixed at ``fully_shard``: at lazy init (the first
+forward) ``FSDPParam.reset_sharded_param`` takes a local tensor that changed since then as the new
+shard buffer -- padded first (``new_zeros`` of the new tensor, then a copy) only when its size differs
+from the padded shard size (a short rank of an uneven shard), otherwise its ``view(-1)`` as is. Its
+comment names ``load_state_dict(assign=True)`` as a supported way to replace parameters. A plain fp32
+shard swapped into a bf16 model comes out of the first forward with an fp32 shard buffer
+(``plain_swap_buffer_dtypes``). (The all-gather output buffers are separate: allocated at each
+all-gather, sized from the all-gather inputs -- for a parameter with hooks, what
+``fsdp_pre_all_gather`` returns.)
 
 What breaks the quantized swap is the test ``reset_sharded_param`` uses to see whether the parameter
 changed: while the old shard buffer is a plain tensor, it compares its ``untyped_storage().data_ptr()``

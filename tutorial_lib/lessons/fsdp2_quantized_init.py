@@ -323,7 +323,7 @@ def pitfall_demo(dim: int = 32, hidden: int = 64, batch: int = 4) -> PitfallResu
         model = qi.build_sharded_quantized(build, mesh, make_recipe("fp8"), dev, reshard_after_forward=True)
         try:
             with fq.post_all_gather_mode(mode):
-                for _ in range(2):  # the second forward's all-gathers are the first to pass `out=`
+                for _ in range(2):  # the first backward's re-gather already passes `out=` (and fails)
                     model(x).sum().backward()
             outcome[mode] = "ok"
         except RuntimeError as exc:
@@ -366,7 +366,7 @@ def train_compare(dim: int = 32, hidden: int = 64, n_blocks: int = 2, steps: int
     loss ``sum(micro-batch losses) / world_size``. At world size 2 its gradients are the sharded run's
     bit for bit (same matmul shapes on the same data; FSDP2's ``g / 2`` and two-term sum are exact), so
     masters and requantized bytes are too: the derived tolerance is ZERO. With more ranks the
-    reduce-scatter sums in its own order: ``max_abs_diff`` and ``masters_max_rel_diff`` bound that.
+    reduce-scatter sums in its own order: ``max_abs_diff`` and ``masters_max_rel_diff`` report that.
     ``hook_form`` ("5-arg" / "1-arg") attaches that form of the pre-all-gather hook for the run.
     ``lag_ms`` (GPU only) stalls each block's forward on the compute stream, so FSDP2's prefetching
     all-gathers allocate while earlier kernels are still queued (stream-shared buffers must survive).
