@@ -298,7 +298,7 @@ class _FixedExtraStateLinear(QuantizerExtraStateMixin, nn.Module):
 
 
 class _PickledExtraStateLinear(_FixedExtraStateLinear):
-    """BROKEN on purpose (TransformerEngine style): extra state = pickled bytes, empty before the first cast."""
+    """BROKEN on purpose: extra state = pickled quantizer state, empty before the first cast."""
 
     def get_extra_state(self):
         q = self.weight.quantizer
@@ -494,3 +494,52 @@ def test_init_optimizer_state_asks_the_optimizer_first_then_falls_back_to_torch(
     u.grad = torch.ones(2)
     with pytest.raises(RuntimeError, match="already have gradients"):
         init_optimizer_state(torch.optim.AdamW([u]))
+
+
+def test_torch_state_init_takes_a_step_that_requantizes_and_init_state_does_not():
+    """torch's ``_init_optim_state`` (what ``get/set_optimizer_state_dict`` call on an empty state) steps
+    with zero gradients at lr=0: a delayed-scaling FP8 weight gets new bytes, its history a new entry."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    from tutorial_lib.dist.checkpoint import clean_quantized
+    from tutorial_lib.dist.quantized_init import quantize_params_
+    from tutorial_lib.models import BlockMLP
+    from tutorial_lib.optim.fused_adam import FusedAdam
+    from tutorial_lib.quant.registry import recipe
+
+    seen = {}
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton kernels take GPU tensors only
+    for how in ("torch", "init_optimizer_state"):
+        with torch.device(dev):
+            model = quantize_params_(BlockMLP(32, 64, 1, seed=0), recipe("fp8_delayed"), preserve_high_precision=True)
+        opt = FusedAdam(model.parameters(), lr=1e-2, master_weights=True)
+        w = model.blocks[0].fc1.weight
+        before = (clean_quantized(w.detach()).to("cpu", copy=True), w.quantizer.amax_history.clone(), w.quantizer.steps)
+        (_init_optim_state if how == "torch" else init_optimizer_state)(opt)
+        seen[how] = (mismatched_keys({"w": clean_quantized(w.detach())}, {"w": before[0]}) != [],
+                     not torch.equal(w.quantizer.amax_history, before[1]), w.quantizer.steps - before[2],
+                     {float(st["step"]) for st in opt.state.values()})
+    assert seen["torch"] == (True, True, 1, {1.0})  # bytes, history, quantizer steps and step count all move
+    assert seen["init_optimizer_state"] == (False, False, 0, {0.0})
+
+
+def test_load_checkpoint_allowlists_the_chunk_globals_and_no_quantizer():
+    """A fresh process (torch's allowlist only): load_checkpoint adds rebuild_quantized and the tensor
+    classes -- no quantizer class -- and a delayed-scaling model with its quantizer state loads exactly."""
+    from tutorial_lib.dist.checkpoint import chunk_safe_globals
+    from tutorial_lib.quant.serialization import rebuild_quantized
+
+    trained, fresh = _delayed_weight(0, steps=3), _delayed_weight(5, steps=0)
+    holder = lambda w: nn.ParameterDict({"w": w})  # noqa: E731
+    with checkpoint_dir() as root:
+        path = os.path.join(root, "c")
+        save_checkpoint({"model": holder(trained).state_dict(), "quantizers": QuantizerStates(holder(trained))}, path)
+        with default_safe_globals_only():
+            target = holder(fresh)
+            load_checkpoint({"model": target.state_dict(), "quantizers": QuantizerStates(target)}, path)
+            allowed = torch.serialization.get_safe_globals()
+    assert rebuild_quantized in allowed and Float8Tensor in allowed and set(allowed) <= set(chunk_safe_globals())
+    assert not any(isinstance(o, type) and o.__name__.endswith(("Scaling", "Quantizer")) for o in allowed)
+    assert mismatched_keys({"w": fresh.detach()}, {"w": trained.detach()}) == []
+    assert torch.equal(fresh.quantizer.amax_history, trained.quantizer.amax_history)
+    assert fresh.quantizer.steps == trained.quantizer.steps

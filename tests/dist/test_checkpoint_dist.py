@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 from tutorial_lib.dist.checkpoint import (
     CheckpointExistsError,
     QuantizedLoadPlanner,
+    SharedScaleError,
     checkpoint_dir,
     load_checkpoint,
     mismatched_keys,
@@ -255,3 +256,45 @@ def test_contract_an_empty_shard_gets_the_shared_scale(empty_shard_results, vari
     """FSDP2's all-gather sends each rank's 0-d scale as metadata: an empty shard's stale scale would be used."""
     assert [r["local_rows"] for r in empty_shard_results] == [1, 0]
     assert [r[variant] for r in empty_shard_results] == [1 / 16, 1 / 16]
+
+
+# ----------------------------------------------------------------------------- two chunks of one FP8 weight
+
+
+def _two_chunk_run(root: str) -> None:
+    """An [8, 16] FP8 weight saved on 2 ranks (rows 0-3, 4-7): once with ONE shared scale (16, as
+    training writes it), once with a different scale per rank (a broken checkpoint: 16 and 32)."""
+    rank = dist.get_rank()
+    mesh, _ = world_mesh()
+    full = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    for name, scales in (("shared", (16.0, 16.0)), ("disagreeing", (16.0, 32.0))):
+        local = Float8Tensor.from_high_precision(full[4 * rank: 4 * rank + 4], scale=scales[rank])
+        w = DTensor.from_local(local, mesh, (Shard(0),), run_check=False, shape=full.shape, stride=full.stride())
+        save_checkpoint({"w": w}, os.path.join(root, name))
+
+
+@pytest.fixture(scope="module")
+def two_chunks():
+    """(root, the full weight quantized with the shared scale) after :func:`_two_chunk_run` on 2 CPU ranks."""
+    with checkpoint_dir() as root:
+        launch(_two_chunk_run, world_size=2, device="cpu", args=(root,), timeout=300)
+        full = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+        yield root, Float8Tensor.from_high_precision(full, scale=16.0)
+
+
+@pytest.mark.parametrize("requantize", ["error", "allow"])
+def test_reshard_of_the_same_format_is_a_raw_copy_even_when_requantizing_is_allowed(two_chunks, requantize):
+    """2 -> 1 ranks into a fresh target (scale 1.0, no quantizer): both chunks are Float8Tensor chunks
+    of the target's meta, so ``requantize="allow"`` must not requantize them either."""
+    root, want = two_chunks
+    target = {"w": Float8Tensor.from_high_precision(torch.zeros(8, 16), scale=1.0)}
+    load_checkpoint(target, os.path.join(root, "shared"), requantize=requantize)
+    assert target["w"].raw_buffers()["scale_inv"].item() == 1 / 16  # the checkpoint's scale, not the target's
+    assert mismatched_keys(target, {"w": want}) == []  # bytes and scale, bitwise
+
+
+def test_chunks_that_disagree_on_the_shared_scale_are_refused(two_chunks):
+    root, _ = two_chunks
+    with pytest.raises(SharedScaleError, match="disagree on the shared 'scale_inv'"):
+        load_checkpoint({"w": Float8Tensor.from_high_precision(torch.zeros(8, 16), scale=1.0)},
+                        os.path.join(root, "disagreeing"))

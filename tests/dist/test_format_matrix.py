@@ -155,3 +155,16 @@ def test_one_rank_post_all_gather_rebuilds_from_the_shard(fmt):
     q.copy_(torch.randn(256, 256, generator=torch.Generator().manual_seed(2)))  # an optimizer step on the shard
     assert q.fsdp_post_all_gather((flat,), None, torch.float32, out=unsharded) is None
     assert torch.equal(unsharded.dequantize(), q.dequantize())
+
+
+def test_a_launch_wider_than_four_ranks_runs_the_four_rank_phase_on_its_first_four():
+    """At 5 ranks the 4-rank save (for 4 -> 2) runs on ranks 0-3 only, on their own group; rank 4 waits."""
+    with checkpoint_dir() as root:
+        per_rank = launch(format_matrix_run, world_size=5, device="cpu", args=("fp8", root),
+                          kwargs={"paths": ("reshard",), "shapes": ("even",)}, timeout=900)
+    cells = {(c.path, r.rank): c for r in per_rank for c in r.cells}
+    assert {p for p, _ in cells} == {"reshard 2->1 (sync)", "reshard 2->1 (async)", "reshard 2->3 (sync)",
+                                     "reshard 2->4 (sync)", "reshard 4->2 (sync)"}
+    assert sorted(rank for p, rank in cells if p == "reshard 4->2 (sync)") == [0, 1]
+    assert all(c.outcome == "exact" and c.mismatch == [] for c in cells.values())
+    assert [r.cells for r in per_rank][4] == []  # rank 4 only waited

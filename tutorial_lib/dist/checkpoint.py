@@ -7,7 +7,7 @@ What DCP does with one quantized parameter, and where this module steps in::
             │ QuantizedSavePlanner.transform_object: a CLEAN tensor (buffers + meta, no quantizer, no attrs)
             ▼ torch.save(chunk) into __<rank>_0.distcp        (the checkpoint never pickles Python objects)
     load  .metadata: restricted unpickler (SafeFileSystemReader); non-tensor leaves: weights_only=True too
-          torch.load(chunk, weights_only=True)                 (needs the safe globals: register_safe_globals)
+          torch.load(chunk, weights_only=True)                 (needs the safe globals: chunk_safe_globals)
             │ QuantizedLoadPlanner.resolve_tensor: a staging tensor of the chunk's shape, quantizer = a guard
             │ reader: staging.copy_(chunk)          -> raw bytes + scale; anything else would requantize: raise
             ▼ commit_tensor: target's shared (0-d) scale := chunk's scale, then target[view].copy_(staging)
@@ -79,7 +79,7 @@ from tutorial_lib.dist.checkpoint_checks import (
     uninitialized_memory_as_nan,
 )
 from tutorial_lib.dist.checkpoint_dirs import CheckpointDir, checkpoint_dir, shared_checkpoint_dir
-from tutorial_lib.quant.serialization import register_safe_globals
+from tutorial_lib.quant.serialization import rebuild_quantized
 from tutorial_lib.quant.tensor import QuantizedTensor
 
 __all__ = [
@@ -93,6 +93,7 @@ __all__ = [
     "SharedScaleError",
     "UnsafeCheckpointError",
     "checkpoint_dir",
+    "chunk_safe_globals",
     "clean_quantized",
     "default_safe_globals_only",
     "load_checkpoint",
@@ -220,6 +221,18 @@ def save_checkpoint(state_dict: dict, path: str | os.PathLike, *, mode: str = "s
 # ----------------------------------------------------------------------------- load side
 
 
+def chunk_safe_globals() -> list:
+    """What a :func:`clean_quantized` chunk needs on ``torch.load(weights_only=True)``'s allowlist:
+    :func:`~tutorial_lib.quant.serialization.rebuild_quantized` and the quantized tensor classes
+    (every subclass of ``QuantizedTensor`` defined so far). No quantizer class: a chunk holds none."""
+    classes, todo = [], [QuantizedTensor]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo.extend(cls.__subclasses__())
+    return [rebuild_quantized, *classes]
+
+
 @contextlib.contextmanager
 def _unwrapped_errors():
     """Re-raise our own load errors as themselves, not inside DCP's ``CheckpointException``.
@@ -258,12 +271,28 @@ class _RefuseRequantize:
         return self.quantize_into(None, hp)
 
 
+class _DeferRequantize:
+    """``requantize="allow"``: a staging tensor's quantizer that keeps the chunk's high-precision values
+    (a raw copy never calls it); :meth:`QuantizedLoadPlanner.commit_tensor` then copies them into the
+    target, which requantizes with the target's own quantizer or scale."""
+
+    def __init__(self):
+        self.values = None
+
+    def quantize_into(self, dst, hp):
+        self.values = hp
+
+    def quantize(self, hp):
+        return self.quantize_into(None, hp)
+
+
 class QuantizedLoadPlanner(DefaultLoadPlanner):
     """DCP load planner that restores quantized chunks by raw copy, for any resharding.
 
     ``requantize="error"`` (default): a chunk that is not the target's class and meta raises
-    :class:`RequantizeOnLoadError`. ``"allow"``: DCP's default behaviour (``target[view].copy_``,
-    which requantizes through the target's quantizer or scale).
+    :class:`RequantizeOnLoadError`. ``"allow"``: such a chunk is copied into ``target[view]`` (DCP's
+    default, which requantizes through the target's quantizer or scale); a chunk of the target's class
+    and meta is still restored by raw copy, as with ``"error"``.
     """
 
     def __init__(self, *, requantize: str = "error", **kwargs):
@@ -272,6 +301,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
         super().__init__(**kwargs)
         self.requantize = requantize
         self._shared_set: set[str] = set()
+        self._requantized: set[str] = set()
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """A non-tensor leaf (optimizer ``param_groups`` values, ...): DCP's default unpickles it with
@@ -286,7 +316,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
 
     def resolve_tensor(self, read_item: ReadItem):
         target = self.lookup_tensor(read_item.dest_index)
-        if not isinstance(target, QuantizedTensor) or self.requantize == "allow":
+        if not isinstance(target, QuantizedTensor):
             return self.transform_tensor(read_item, target)
         # A fresh tensor of the chunk's shape, not a view of the target: copy_ from the chunk is then
         # a raw copy of bytes AND scale (a partial view would keep the target's scale and requantize).
@@ -297,14 +327,24 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                 f"{type(staging).__name__}; it must return the same subclass (DCP's async staging allocates with "
                 "new_empty too, and writes uninitialised memory when it gets a plain tensor)"
             )
-        staging.quantizer = _RefuseRequantize(read_item.dest_index.fqn, target)
+        staging.quantizer = (_DeferRequantize() if self.requantize == "allow"
+                             else _RefuseRequantize(read_item.dest_index.fqn, target))
         return staging
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         target = self.lookup_tensor(read_item.dest_index)
-        if not isinstance(target, QuantizedTensor) or self.requantize == "allow":
+        if not isinstance(target, QuantizedTensor):
             return
         fqn = read_item.dest_index.fqn
+        view = narrow_tensor_by_index(target, read_item.dest_offsets, read_item.lengths)
+        values = getattr(tensor.quantizer, "values", None)  # "allow", and the chunk was not a raw copy
+        if (values is not None and fqn in self._shared_set) or (values is None and fqn in self._requantized):
+            raise RequantizeOnLoadError(f"{fqn!r}: some checkpoint chunks are of the target's format and some are "
+                                        "not; refusing to mix raw copies and requantization in one tensor")
+        if values is not None:
+            self._requantized.add(fqn)
+            view.copy_(values.to(view.device))  # DCP's default: requantizes with the target's quantizer or scale
+            return
         first = fqn not in self._shared_set
         self._shared_set.add(fqn)
         dst_bufs, src_bufs = target.raw_buffers(), tensor.raw_buffers()
@@ -320,7 +360,6 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
                     f"{fqn!r}: checkpoint chunks disagree on the shared {name!r} ({dst.item()!r} vs "
                     f"{src_bufs[name].item()!r}); a per-tensor-scaled tensor must have ONE scale on every shard"
                 )
-        view = narrow_tensor_by_index(target, read_item.dest_offsets, read_item.lengths)
         view.copy_(tensor.to(view.device))  # same class, meta and scale: raw bytes
 
 
@@ -328,8 +367,9 @@ def load_checkpoint(state_dict: dict, path: str | os.PathLike, *, check_finite: 
                     requantize: str = "error", process_group=None) -> dict:
     """Load a DCP checkpoint IN PLACE into ``state_dict`` (every rank); returns ``state_dict``.
 
-    Registers the quantized classes as safe globals (DCP reads every chunk with
-    ``torch.load(weights_only=True)``), restores quantized chunks with
+    Adds :func:`chunk_safe_globals` to the safe globals (DCP reads every chunk with
+    ``torch.load(weights_only=True)``; importing ``tutorial_lib`` has usually registered more), restores
+    quantized chunks with
     :class:`QuantizedLoadPlanner`, then (``check_finite``) raises
     :class:`NonFiniteCheckpointError` naming every key that holds NaN/Inf on any rank.
 
@@ -340,7 +380,7 @@ def load_checkpoint(state_dict: dict, path: str | os.PathLike, *, check_finite: 
     path = os.fspath(path)
     if not _has_checkpoint(path):
         raise FileNotFoundError(f"no DCP checkpoint at {path} (no {METADATA_FILE}); was the save finished?")
-    register_safe_globals()
+    torch.serialization.add_safe_globals(chunk_safe_globals())
     reader = SafeFileSystemReader(path)
     # Read once up front: inside dcp.load a refused .metadata is only logged, then other files are tried.
     # Every rank reads the same file, so every rank raises here, before the first collective.

@@ -1,14 +1,14 @@
 """Quantizer state in checkpoints: a FIXED-SIZE encoding, so a freshly built model can load it.
 
 A delayed-scaling quantizer carries state that training depends on (the amax history and the
-scale computed from it); a bit-exact resume must restore it. TransformerEngine-style modules put
-such state in ``_extra_state`` as a *pickled byte tensor*. DCP loads every tensor IN PLACE into
+scale computed from it); a bit-exact resume must restore it. Modules that pickle quantizer state
+into ``_extra_state`` keep it as a *pickled byte tensor*. DCP loads every tensor IN PLACE into
 the tensors of the target state dict, so it first compares sizes -- and a pickle's size depends on
 its content::
 
-    trained model:  _extra_state = uint8 tensor of 212 pickled bytes   (saved)
-    fresh model:    _extra_state = uint8 tensor of   0 bytes (nothing recorded yet)
-    dcp.load -> ValueError: Size mismatch between saved torch.Size([212]) and current: torch.Size([0])
+    trained model:  _extra_state = uint8 tensor of N pickled bytes   (saved)
+    fresh model:    _extra_state = uint8 tensor of 0 bytes (nothing recorded yet)
+    dcp.load -> ValueError: Size mismatch between saved torch.Size([N]) and current: torch.Size([0])
 
 The fix here: encode each quantizer as a float64 vector whose length depends only on its
 CONFIGURATION (``history_len``), never on what it has seen::

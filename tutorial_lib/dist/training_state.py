@@ -8,10 +8,12 @@ What must come back for the next step to equal the run that never stopped::
     data order   which batch comes next                                              yours: e.g. the step number
 
 :class:`TrainingState` bundles the first three as one DCP ``Stateful``. Loading needs the
-optimizer state to EXIST first (DCP loads in place); :func:`init_optimizer_state` creates it
-without touching the weights: through the optimizer's own ``init_state()`` when it has one
-(``FusedAdam``), else with torch's helper, which takes a hidden lr=0 step -- and that step
-requantizes quantized weights and advances delayed-scaling histories.
+optimizer state to EXIST first (DCP loads in place). torch's ``get_optimizer_state_dict`` and
+``set_optimizer_state_dict`` create a missing state themselves with ``_init_optim_state``: a hidden
+step with zero gradients and lr=0, which requantizes quantized weights, advances delayed-scaling
+histories and counts a step. So :meth:`TrainingState.state_dict` first calls
+:func:`init_optimizer_state`, which creates it without touching the weights: through the
+optimizer's own ``init_state()`` when it has one (``FusedAdam``), else with torch's helper.
 
 Example::
 
@@ -85,6 +87,7 @@ class TrainingState:
         self.model, self.optimizer, self.quantizers = model, optimizer, quantizers
 
     def state_dict(self) -> dict:
+        # before torch's getter, which would otherwise create the state with its hidden lr=0 step
         init_optimizer_state(self.optimizer)
         state = {"model": get_model_state_dict(self.model),
                  "optim": get_optimizer_state_dict(self.model, self.optimizer)}

@@ -1,6 +1,6 @@
 """Every weight format through every FSDP2 + DCP path: the format matrix of lesson 10 (and its tests).
 
-One launch at world size W (up to 4) runs, for one registry format, every cell its ranks allow::
+One launch at world size W runs, for one registry format, every cell its ranks allow::
 
     shard group (ranks)   shape                    paths
     -------------------   ----------------------   ----------------------------------------------------
@@ -330,9 +330,13 @@ def format_matrix_run(fmt: str, root: str, paths: tuple[str, ...] = MATRIX_PATHS
                                   f"reshard 2->{k} ({mode})")
             dist.barrier(group=phases)
         if world >= 4 and sizes["even"] is not None:
-            model, opt = _build(fmt, even, _mesh(groups[4]))
-            load_checkpoint({"app": TrainingState(model, opt)}, os.path.join(root, "even-ws2-sync"))
-            save_checkpoint({"app": TrainingState(model, opt)}, os.path.join(root, "even-ws4-sync"))
+            if rank < 4:  # the 4-rank model lives on groups[4]; further ranks wait at the barrier
+                model, opt = _build(fmt, even, _mesh(groups[4]))
+                load_checkpoint({"app": TrainingState(model, opt)}, os.path.join(root, "even-ws2-sync"),
+                                process_group=groups[4])
+                save_checkpoint({"app": TrainingState(model, opt)}, os.path.join(root, "even-ws4-sync"),
+                                process_group=groups[4])
+            dist.barrier(group=phases)
             if rank < 2:
                 _reshard_cell(cells, fmt, even, groups[2], expected, os.path.join(root, "even-ws4-sync"),
                               "reshard 4->2 (sync)")

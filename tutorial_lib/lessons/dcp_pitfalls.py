@@ -78,6 +78,7 @@ __all__ = [
     "checkpoint_run",
     "compare_with_full",
     "load_unsharded",
+    "loaded_step",
     "reshard_load_run",
     "resume_and_step",
     "snapshot",
@@ -249,6 +250,7 @@ RESUME_MODES = ("sync", "async", "sync-without-quantizer-state")
 class ResumeResult:
     """A fresh model + optimizer loaded from a checkpoint, then one step (on one rank)."""
 
+    step: int  # the step it took: the loaded optimizer's step count (the data position)
     loss: torch.Tensor  # loss of that step; equals CheckpointRunResult.ref_loss when the resume is exact
     loaded_mismatch: list[str]  # state keys that differ (bitwise) from the saved state right after the load
     after_mismatch: list[str]  # state keys that differ (bitwise) from the reference after the step
@@ -268,17 +270,30 @@ class CheckpointRunResult:
     scratch_dir: str  # the directory shared_checkpoint_dir made inside the ranks (removed before returning)
 
 
+def loaded_step(opt: torch.optim.Optimizer) -> int:
+    """The number of steps the optimizer has taken (its ``step`` state, equal for every parameter): the
+    position in the data a resumed run continues from."""
+    steps = {int(local_tensor(st["step"]).item()) for st in opt.state.values() if "step" in st}
+    if len(steps) != 1:
+        raise RuntimeError(f"the optimizer's parameters disagree on (or lack) their step count: {sorted(steps)}")
+    return steps.pop()
+
+
 def resume_and_step(cfg: RunConfig, path: str, mesh, dev, rank: int, saved: Snapshot, ref_after: Snapshot,
                     quantizers: bool = True) -> ResumeResult:
     """Inside a rank (:func:`checkpoint_run` calls it): a fresh model + optimizer on ``mesh``, load ``path``,
-    take step ``cfg.steps``; compare the loaded state with ``saved`` and the state after the step with
+    take the next step -- its batch from the loaded optimizer's step count (:func:`loaded_step`, which
+    must equal ``cfg.steps``); compare the loaded state with ``saved`` and the state after the step with
     ``ref_after`` (``quantizers=False``: load without the quantizer state, the broken resume)."""
     model, opt = build_model_and_optimizer(cfg, dev, mesh)
     load_checkpoint({"app": TrainingState(model, opt, quantizers=quantizers)}, path)
     loaded = snapshot(TrainingState(model, opt).state_dict())
-    loss = train_step(model, opt, *batch(cfg, cfg.steps, rank, dev))
+    step = loaded_step(opt)  # the data position comes back with the optimizer state
+    if step != cfg.steps:
+        raise RuntimeError(f"the checkpoint's optimizer step is {step}, expected {cfg.steps}")
+    loss = train_step(model, opt, *batch(cfg, step, rank, dev))
     after = snapshot(TrainingState(model, opt).state_dict())
-    return ResumeResult(loss=loss, loaded_mismatch=mismatched_keys(loaded.tensors, saved.tensors),
+    return ResumeResult(step=step, loss=loss, loaded_mismatch=mismatched_keys(loaded.tensors, saved.tensors),
                         after_mismatch=mismatched_keys(after.tensors, ref_after.tensors))
 
 
