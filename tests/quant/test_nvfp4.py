@@ -112,6 +112,17 @@ def test_zero_nan_and_underflow_blocks():
     assert zero[2].item() == 1.0 and dequantize_nvfp4(*zero).eq(0).all()
 
 
+
+@pytest.mark.parametrize("block", [(1, 16), (16, 16)])
+def test_an_empty_tensor_quantizes_like_an_all_zero_one(block):
+    """An empty shard (FSDP2 with more ranks than rows) has no amax of its own: it quantizes as an all-zero
+    tensor would (global scale 1.0), with empty codes and scales, and round-trips to an empty tensor."""
+    data, scale, gsi = quantize_nvfp4(torch.empty(0, 32), block)
+    assert gsi.item() == 1.0 and data.shape == (0, 16) and data.dtype == torch.uint8 and scale.numel() == 0
+    assert dequantize_nvfp4(data, scale, gsi, block).shape == (0, 32)
+    q = NVFP4Quantizer(block=block).quantize(torch.empty(0, 32))
+    assert q.shape == (0, 32) and q.dequantize().shape == (0, 32)
+
 def test_bad_shapes_are_clear_errors():
     with pytest.raises(ValueError, match="last dim 24 .* 16-element NVFP4 block"):
         quantize_nvfp4(torch.randn(4, 24))

@@ -82,8 +82,9 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """fp32 amax of the whole tensor (NaN if it holds a NaN)."""
-    return abs_bits(x).amax().view(torch.float32)
+    """fp32 amax of the whole tensor (NaN if it holds a NaN; 0 for an empty tensor, e.g. an empty shard)."""
+    bits = abs_bits(x)
+    return (bits.amax() if bits.numel() else bits.new_zeros(())).view(torch.float32)
 
 
 def nvfp4_global_scale_inv(amax: torch.Tensor) -> torch.Tensor:
