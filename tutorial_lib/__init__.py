@@ -62,8 +62,9 @@ from tutorial_lib.dist.runtime import (
     resolve_device,
 )
 from tutorial_lib.dist.training_state import TrainingState, init_optimizer_state
-from tutorial_lib.harness.bench import bench_ms, track_peak_memory
+from tutorial_lib.harness.bench import bench_ms
 from tutorial_lib.harness.checks import check, check_close, check_equal
+from tutorial_lib.harness.profiling import track_peak_memory
 from tutorial_lib.matmul.fp8_linear import Fp8Linear, Fp8Recipe, fp8_linear, swap_linears
 from tutorial_lib.matmul.scaled_mm import FP8LayoutError, blockwise_mm, emulated_mm, fp8_mm
 from tutorial_lib.models import BlockMLP, QLinear, counter_uniform

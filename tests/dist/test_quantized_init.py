@@ -20,7 +20,7 @@ from tutorial_lib.dist.quantized_init import (
     quantize_params_,
     quantize_params_on_meta_,
 )
-from tutorial_lib.harness.bench import track_peak_memory
+from tutorial_lib.harness.profiling import track_peak_memory
 from tutorial_lib.lessons.fsdp2_quantized_init import init_memory_demo
 from tutorial_lib.models import BlockMLP
 from tutorial_lib.quant.float8 import CurrentScaling, DelayedScaling

@@ -30,7 +30,7 @@ Example (inside a rank started by :func:`tutorial_lib.dist.launcher.launch`)::
 
     from tutorial_lib.dist.mesh import world_mesh
     from tutorial_lib.dist.quantized_init import MasterWeights, build_sharded_quantized, quantize_params_
-    from tutorial_lib.harness.bench import track_peak_memory
+    from tutorial_lib.harness.profiling import track_peak_memory
     from tutorial_lib.models import BlockMLP
     from tutorial_lib.quant.registry import recipe
 

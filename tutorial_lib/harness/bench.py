@@ -32,36 +32,67 @@ One JSON file per run::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import datetime
 import gc
 import json
 import os
-import re
 import statistics
-import sys
 import tempfile
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
 
 from tutorial_lib.harness.code_version import code_version
-from tutorial_lib.harness.kernel_ranges import kernel_time_by_range
 
 
 def bench_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 20, *, device=None) -> float:
     """Median ms of ``fn()``: ``do_bench`` (its own warm-up and reps) if ``fn`` works on CUDA -- ``device``, by
-    default CUDA whenever it is present -- else ``rep`` host-timed calls after ``warmup`` untimed ones."""
-    if torch.cuda.is_available() if device is None else torch.device(device).type == "cuda":
+    default CUDA whenever it is present -- else ``rep`` host-timed calls after ``warmup`` untimed ones.
+
+    CUDA: the time of the KERNELS, not of the host. ``do_bench`` queues an L2 flush, then the start event, then
+    calls ``fn``; the host reaches ``fn`` while the GPU is still flushing, so host work up to the flush's length
+    (a memset of the L2-sized buffer: tens of microseconds) is hidden, and no synchronisation between calls
+    lets the host run ahead of a GPU-bound ``fn``. For a step whose host work matters use :func:`latency_ms`."""
+    if _on_cuda(device):
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    return _host_median_ms(fn, warmup, rep)
+
+
+def latency_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 20, *, device=None) -> float:
+    """Median ms of ``fn()`` from an IDLE device to the end of its last kernel: host work counted in full.
+
+    CUDA, per call: an L2 flush (zeroing a 256 MiB buffer), ``synchronize``, then CUDA events around ``fn()``;
+    the start event runs at once on the idle GPU, so everything the host does before the first launch (and
+    between launches) is inside the window -- the step LATENCY a host-bound optimizer step has. ``warmup``
+    untimed calls first. CPU: the wall clock, as :func:`bench_ms`."""
+    if not _on_cuda(device):
+        return _host_median_ms(fn, warmup, rep)
+    for _ in range(warmup):
+        fn()
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(rep):
+        flush.zero_()
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _on_cuda(device) -> bool:
+    return torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
+
+
+def _host_median_ms(fn: Callable[[], object], warmup: int, rep: int) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -117,13 +148,12 @@ def time_alternating(opts: dict, steps: int, device: torch.device, extra: dict |
     """Milliseconds per ``step()`` for each optimizer in ``opts``, one value per round (first steps
     untimed): ``{name: [ms, ...]}``, the lists paired round by round (see :func:`paired_ratio`).
 
-    CUDA: ``do_bench`` per optimizer: each timed call starts on an idle GPU (after an L2 flush), so
-    the host work that precedes the first launch is counted in full -- step LATENCY. With thousands
-    of parameters that host work (a few passes over the parameter objects) can be as long as the
-    kernel or longer, and it drifts with the state of the host from minute to minute, so a ratio of
-    two medians taken at different moments measures the drift as much as the variants (the
-    recorded runs in ``benchmarks/results/adam_fsdp2-*.json`` keep every round). Hence the optimizers take
-    turns for ``rounds`` rounds, in alternating order, and are compared ROUND BY ROUND; a barrier
+    CUDA: :func:`latency_ms` per optimizer: each timed step starts on an idle GPU (after an L2 flush and a
+    synchronisation), so the host work that precedes the first launch is counted in full -- step LATENCY.
+    With thousands of parameters that host work (a few passes over the parameter objects) can be as long as
+    the kernel or longer, and it drifts with the state of the host from minute to minute, so a ratio of
+    two medians taken at different moments measures the drift as much as the variants. Hence the optimizers
+    take turns for ``rounds`` rounds, in alternating order, and are compared ROUND BY ROUND; a barrier
     before each timing makes all ranks time the same optimizer at once (they share the host's cores
     and caches), and a garbage collection before it keeps collector pauses out of the windows.
     ``extra`` (a dict) also receives, per name, ``back_to_back_ms`` (GPU time per step over 50 steps
@@ -139,7 +169,7 @@ def time_alternating(opts: dict, steps: int, device: torch.device, extra: dict |
             for name in turn_order(opts, r):
                 gc.collect()
                 barrier_if_distributed()
-                ms[name].append(bench_ms(opts[name].step))
+                ms[name].append(latency_ms(opts[name].step))
                 if extra is not None:
                     barrier_if_distributed()
                     b2b[name].append(time_back_to_back(opts[name].step))
@@ -156,12 +186,13 @@ def time_alternating(opts: dict, steps: int, device: torch.device, extra: dict |
 
 
 def time_rounds(fns: dict[str, Callable[[], object]], rounds: int = 9, *, warmup: int = 3,
-                rep: int = 20, device=None) -> dict[str, list[float]]:
+                rep: int = 20, device=None, latency: bool = False) -> dict[str, list[float]]:
     """Milliseconds of every function in ``fns``, one :func:`bench_ms` per function per round, the
     functions taking turns in alternating order (:func:`turn_order`; a garbage collection and, in a
     process group, a barrier before each): ``{name: [ms per round]}``, paired round by round.
     Each function is called once first (compilation, caches) outside the timing. ``warmup`` and
-    ``rep``, ``device``: :func:`bench_ms`'s (CPU repetitions; CUDA uses ``do_bench``)."""
+    ``rep``, ``device``: :func:`bench_ms`'s (CPU repetitions; CUDA uses ``do_bench``). ``latency=True``:
+    :func:`latency_ms` instead (host work counted in full: for host-bound functions)."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -169,7 +200,8 @@ def time_rounds(fns: dict[str, Callable[[], object]], rounds: int = 9, *, warmup
         for name in turn_order(fns, r):
             gc.collect()
             barrier_if_distributed()
-            times[name].append(bench_ms(fns[name], warmup=warmup, rep=rep, device=device))
+            timer = latency_ms if latency else bench_ms
+            times[name].append(timer(fns[name], warmup=warmup, rep=rep, device=device))
     return times
 
 
@@ -215,35 +247,6 @@ def mlp_benchmark_parser(doc: str) -> argparse.ArgumentParser:
     return parser
 
 
-def profiled_range_ms(step: Callable[[], object], device: torch.device, steps: int,
-                      ranges: dict[str, re.Pattern]) -> dict[str, float]:
-    """Run ``step()`` ``steps`` times under ``torch.profiler``; per step, the ms spent inside the ranges
-    (``record_function`` names) matching each pattern, summed per key of ``ranges``.
-
-    CUDA: the device time of the kernels launched inside the ranges, Triton's included
-    (:func:`~tutorial_lib.harness.kernel_ranges.kernel_time_by_range`: torch's own ``device_time_total``
-    leaves out kernels not launched by a torch operator). CPU: the host time inside the ranges (the
-    CPU-side entries; on CUDA the profiler also lists each range as a GPU-side annotation)."""
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        if cuda:
-            torch.cuda.synchronize(device)
-    if cuda:
-        totals = kernel_time_by_range(prof.events(), ranges).device_us
-    else:
-        totals = dict.fromkeys(ranges, 0.0)
-        for e in prof.key_averages():
-            if e.device_type != torch.autograd.DeviceType.CPU:
-                continue
-            for key, pattern in ranges.items():
-                if pattern.match(e.key):
-                    totals[key] += e.cpu_time_total
-    return {k: v / 1e3 / steps for k, v in totals.items()}
-
-
 def split_sizes(total: int, count: int) -> list[int]:
     """``total`` elements as ``count`` tensor sizes differing by at most one (the first ones get the
     remainder): the benchmarks' "N parameters in M tensors" cases, e.g. ``split_sizes(10, 4) == [3, 3, 2, 2]``."""
@@ -257,16 +260,20 @@ def spread(times: list[float]) -> dict[str, float]:
 
 
 def alternating_case(name: str, ours: Callable[[], object], peers: dict[str, Callable[[], object]], *,
-                     nbytes: int, copy_GBps: float, rounds: int = 9, warmup: int = 3, rep: int = 20) -> dict:
+                     nbytes: int, copy_GBps: float, rounds: int = 9, warmup: int = 3, rep: int = 20,
+                     latency: bool = False) -> dict:
     """A :func:`case` whose ours and peers were timed in the same alternating rounds
     (:func:`time_rounds`): medians as ``ours_ms`` / ``peers``, plus ``ours_range_ms`` and
     ``peers_range_ms`` ([min, max] over the rounds), ``rounds_ms`` (every round) and
     ``best_peer_over_ours`` (median, min, max of the round-by-round ratio best peer / ours).
-    ``warmup``, ``rep``: CPU repetitions per timing (see :func:`time_rounds`)."""
+    ``warmup``, ``rep``: CPU repetitions per timing (see :func:`time_rounds`). ``latency=True``: every
+    timing is a :func:`latency_ms` (host work in full), recorded as ``"timing": "latency"`` (else
+    ``"kernels"``: :func:`bench_ms`)."""
     if "ours" in peers:
         raise ValueError("'ours' is reserved for our own timing; rename the peer")
-    times = time_rounds({"ours": ours, **peers}, rounds, warmup=warmup, rep=rep)
-    return case_from_rounds(name, times, nbytes=nbytes, copy_GBps=copy_GBps)
+    times = time_rounds({"ours": ours, **peers}, rounds, warmup=warmup, rep=rep, latency=latency)
+    return {**case_from_rounds(name, times, nbytes=nbytes, copy_GBps=copy_GBps),
+            "timing": "latency" if latency else "kernels"}
 
 
 def case_from_rounds(name: str, times: dict[str, list[float]], *, nbytes: int, copy_GBps: float,
@@ -332,71 +339,6 @@ def time_new_grads(opts: dict, grad_sets: dict, rounds: int = 4, steps: int = 5)
     if cuda:
         torch.cuda.synchronize()
     return times
-
-
-@dataclasses.dataclass
-class PeakMemory:
-    """Peak bytes allocated above the level at entry, on ``device`` (filled in on exit)."""
-
-    device: str
-    bytes: int = 0
-
-
-@contextlib.contextmanager
-def track_peak_memory(device) -> Iterator[PeakMemory]:
-    """Measure the peak of allocated memory inside the block, above the level at entry.
-
-    CUDA: the caching allocator's ``max_memory_allocated``. CPU: every allocation and free the
-    CPU allocator reports to the profiler (``profile_memory=True``), replayed in time order.
-    """
-    device = torch.device(device)
-    res = PeakMemory(str(device))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        yield res
-        torch.cuda.synchronize(device)
-        res.bytes = torch.cuda.max_memory_allocated(device) - base
-        return
-    from torch.profiler import ProfilerActivity, profile
-
-    with quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        yield res
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-                     and e.device_type() == torch.autograd.DeviceType.CPU), key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    res.bytes = peak
-
-
-# ----------------------------------------------------------------------------- rank functions (lesson 06, tests)
-
-
-@contextlib.contextmanager
-def quiet_profiler() -> Iterator[None]:
-    """Around a ``torch.profiler.profile`` block: drop the profiler library's "USDT: ... profiler_start/stop"
-    lines from fd 2 and torch's "Profiler clears events at the end of each cycle" warning (a profiler
-    without a schedule has one cycle); keep everything else."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+b") as tmp, warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Profiler clears events at the end of each cycle")
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            kept = [line for line in tmp.read().decode(errors="replace").splitlines(keepends=True)
-                    if not line.startswith("USDT:")]
-            if kept:
-                sys.stderr.write("".join(kept))
-                sys.stderr.flush()
 
 
 def benchmark_device(quick: bool) -> torch.device:

@@ -119,11 +119,13 @@ class LiveCase:
     fraction_of_copy: float  # minimum bytes / ours_ms / this machine's copy bandwidth
     ratio: dict  # best peer / ours, round by round: {"peer", "median", "min", "max"}
     is_performance_measurement: bool  # False on a CPU: Triton's interpreter, tiny sizes
+    rounds_ms: dict[str, list[float]]  # every round: "ours" and each peer, paired round by round
+    timing: str  # "latency" (from an idle device, host work included) or "kernels" (do_bench)
 
 
 def _live(c: dict, measured: bool) -> LiveCase:
     return LiveCase(c["name"], c["ours_ms"], tuple(c["ours_range_ms"]), c["peers"], c["fraction_of_copy"],
-                    c.get("best_peer_over_ours", {}), measured)
+                    c.get("best_peer_over_ours", {}), measured, c["rounds_ms"], c["timing"])
 
 
 def _params(sizes: list[int], device, seed: int = 0) -> list[nn.Parameter]:
@@ -163,8 +165,10 @@ def live_benchmarks(device: str | torch.device, quick: bool, rounds: int = 5) ->
     else:
         peers["torch AdamW fused"] = torch.optim.AdamW(_params(sizes, device), **HP, fused=True).step
     label = "CUDA graph replay" if cuda else "eager, capturable (no CUDA graph on a CPU)"
+    # the eager peer is host-bound: latency timing (from an idle GPU) counts its host work in full
     cases = [_live(alternating_case(f"FusedAdam, {n_tensors} tensors of {numel}, {label}", ours.step, peers,
-                                    nbytes=adam_bytes_per_element(4, 4) * n_tensors * numel, copy_GBps=copy, **reps),
+                                    nbytes=adam_bytes_per_element(4, 4) * n_tensors * numel, copy_GBps=copy,
+                                    latency=True, **reps),
                    cuda)]
     del ours, peers, keep
 
@@ -252,7 +256,7 @@ class StepProfile:
     phases_ms: dict[str, float]  # forward, backward, optimizer: wall time of each (profiler, CPU side)
     device_ms: dict[str, float]  # CUDA: GPU time of the kernels each phase launched ({} on a CPU)
     collectives: dict[str, int]  # all-gathers, reduce-scatters, all-reduces seen in the step
-    step_ms: float  # the whole step, wall clock
+    step_ms: float  # the whole step, wall clock, not profiled (median of 3 synchronised steps)
     top_ops: list[tuple[str, float]]  # the 8 ops with the most self time (CPU), name and ms
 
 
@@ -274,15 +278,23 @@ def fsdp2_step_profile(dim: int = 64, hidden: int = 256, n_blocks: int = 2, batc
 
     for _ in range(2):
         step()
+    # the step's wall time WITHOUT the profiler (which adds its own start/stop and per-op recording):
+    # the median of 3 synchronised steps
+    walls = []
+    for _ in range(3):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        walls.append((time.perf_counter() - t0) * 1e3)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    t0 = time.perf_counter()
     with profile(activities=acts) as prof:
         step()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-    step_ms = (time.perf_counter() - t0) * 1e3
+    step_ms = statistics.median(walls)
     # CPU-side entries only: on CUDA each range is listed twice, also as a GPU-side annotation whose
     # device time is its span on the timeline (idle gaps included), not the time of its kernels
     avg = {e.key: e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU}

@@ -36,7 +36,7 @@ from tutorial_lib.dist.fsdp2 import check_fsdp_shardable, fully_shard_blocks
 from tutorial_lib.dist.fsdp2_internals import fsdp_params
 from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.dist.quantized_init import meta_quantized
-from tutorial_lib.harness.bench import track_peak_memory
+from tutorial_lib.harness.profiling import track_peak_memory
 from tutorial_lib.models import counter_uniform, reset_parameters_
 from tutorial_lib.quant.registry import make_quantizer
 from tutorial_lib.train.loop import TrainConfig, TrainResult, train_model

@@ -41,8 +41,9 @@ import torch.nn.functional as F
 
 from tutorial_lib.dist import quantized_init as qi
 from tutorial_lib.dist.mesh import world_mesh
-from tutorial_lib.harness.bench import median_ms_all_ranks, profiled_range_ms
+from tutorial_lib.harness.bench import median_ms_all_ranks
 from tutorial_lib.harness.kernel_ranges import exact_name
+from tutorial_lib.harness.profiling import profiled_range_ms
 from tutorial_lib.matmul.fp8_linear import PROFILE_LABELS
 from tutorial_lib.matmul.scaled_mm import GEMM_CALLS
 from tutorial_lib.models import BlockMLP, counter_uniform, local_rows

@@ -69,8 +69,9 @@ from torch.profiler import record_function
 
 from tutorial_lib.dist import quantized_init as qi
 from tutorial_lib.dist.mesh import world_mesh
-from tutorial_lib.harness.bench import median_ms_all_ranks, profiled_range_ms
+from tutorial_lib.harness.bench import median_ms_all_ranks
 from tutorial_lib.harness.kernel_ranges import exact_name
+from tutorial_lib.harness.profiling import profiled_range_ms
 from tutorial_lib.lessons.fp8_matmuls import PHASE_RANGES, WEIGHT_FORMATS
 from tutorial_lib.matmul.fp8_linear import Fp8Recipe
 from tutorial_lib.models import BlockMLP, counter_uniform

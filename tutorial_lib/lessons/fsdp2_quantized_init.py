@@ -37,7 +37,8 @@ from torch.profiler import ProfilerActivity, profile
 from tutorial_lib.dist import fsdp2 as fq
 from tutorial_lib.dist import quantized_init as qi
 from tutorial_lib.dist.mesh import world_mesh
-from tutorial_lib.harness.bench import median_ms_all_ranks, quiet_profiler, track_peak_memory
+from tutorial_lib.harness.bench import median_ms_all_ranks
+from tutorial_lib.harness.profiling import quiet_profiler, track_peak_memory
 from tutorial_lib.lessons.dtensor import record_quantized_dispatch  # lesson 05: ops reaching QuantizedTensor
 from tutorial_lib.models import BlockMLP, counter_uniform, local_rows
 from tutorial_lib.quant.fallback import FALLBACKS, reset_counters

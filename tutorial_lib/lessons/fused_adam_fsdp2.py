@@ -342,7 +342,7 @@ class OptimizerOverhead:
     """One optimizer's step on DTensor vs plain parameters, on one rank (``name``: a key of :data:`OPTIMIZERS`)."""
 
     name: str
-    latency: PairedTimes | None = None  # ms per step (CUDA: do_bench, each call on an idle GPU; CPU: wall clock)
+    latency: PairedTimes | None = None  # ms per step (CUDA: harness.bench.latency_ms, host work in full; CPU: wall)
     back_to_back: PairedTimes | None = None  # CUDA, FusedAdam: GPU ms per step over 50 steps issued back to back
     host: PairedTimes | None = None  # CUDA, FusedAdam: the host's wall ms to issue one of those steps
     new_grads_host: PairedTimes | None = None  # FusedAdam: host ms per step when every step brings new grads
@@ -370,7 +370,7 @@ def dtensor_overhead(n_params: int = 200, numel: int = 64, steps: int = 3,
     uses exactly those local tensors (and grads). torch's AdamW runs its foreach/fused kernels
     on DTensors through per-op DTensor dispatch (cached sharding propagation, unwrap/rewrap);
     FusedAdam unwraps the local tensors once per step. ``steps``: timed steps per optimizer on a
-    CPU (on CUDA the timing takes 9 alternating rounds of ``do_bench`` instead).
+    CPU (on CUDA the timing takes 9 alternating rounds of ``harness.bench.latency_ms`` instead).
     """
     mesh, dev = world_mesh()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,78 @@
+"""The timing plumbing (``harness.bench``) and the README table (``harness.bench_report``).
+
+Timing tests assert only what must hold on any machine (a lower bound a sleep guarantees), never a speed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from tutorial_lib.harness.bench import alternating_case, latency_ms, time_rounds
+from tutorial_lib.harness.bench_report import NOT_COPY_BOUND, results_markdown
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _host_then_kernel(x: torch.Tensor, host_s: float):
+    def fn():
+        time.sleep(host_s)  # host work before the first launch
+        x.add_(1.0)
+    return fn
+
+
+def test_latency_counts_host_work_before_the_first_launch():
+    x = torch.randn(1024, device=DEV)
+    ms = latency_ms(_host_then_kernel(x, 0.002), warmup=1, rep=5, device=DEV)
+    assert ms >= 2.0, ms  # the 2 ms of host work is inside every window
+
+
+def test_time_rounds_latency_is_paired_and_counts_host_work():
+    x = torch.randn(1024, device=DEV)
+    times = time_rounds({"slow": _host_then_kernel(x, 0.003), "fast": _host_then_kernel(x, 0.0)},
+                        rounds=3, warmup=0, rep=3, device=DEV, latency=True)
+    assert [len(v) for v in times.values()] == [3, 3]
+    assert all(s >= 3.0 for s in times["slow"]) and all(s - f >= 2.0 for s, f in zip(times["slow"], times["fast"]))
+
+
+def test_alternating_case_records_its_timing():
+    x = torch.randn(1024, device=DEV)
+    kw = dict(nbytes=8 * x.numel(), copy_GBps=1.0, rounds=2, warmup=0, rep=2)
+    assert alternating_case("a", lambda: x.add_(1), {"p": lambda: x.add_(1)}, latency=True, **kw)["timing"] == "latency"
+    assert alternating_case("a", lambda: x.add_(1), {"p": lambda: x.add_(1)}, **kw)["timing"] == "kernels"
+
+
+def _run(path, machine: str, date: str, stem: str, ours_ms: float, fraction: float, timing: str | None = None):
+    case = {"name": "case", "ours_ms": ours_ms, "peers": {"peer": 2 * ours_ms}, "bytes": 1,
+            "fraction_of_copy": fraction}
+    doc = {"machine": machine, "torch": "t", "triton": "tr", "date": date, "copy_GBps": 100.0,
+           "cases": [case if timing is None else {**case, "timing": timing}]}
+    (path / f"{stem}-{machine.replace(' ', '_')}-{date}.json").write_text(json.dumps(doc))
+
+
+def test_report_ranges_pool_only_runs_of_the_newest_runs_machine(tmp_path):
+    _run(tmp_path, "GPU x2", "2026-01-01T00:00:00", "kern", ours_ms=9.0, fraction=0.1)   # other machine: left out
+    _run(tmp_path, "GPU x1", "2026-01-02T00:00:00", "kern", ours_ms=1.5, fraction=0.5)
+    _run(tmp_path, "GPU x1", "2026-01-03T00:00:00", "kern", ours_ms=1.0, fraction=0.6)
+    row = next(line for line in results_markdown(tmp_path).splitlines() if line.startswith("| kern "))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[2] == "1.000 (1.000-1.500)" and cells[4] == "2.00x"
+    assert cells[5] == "60% (50%-60%)" and cells[6] == "2" and cells[7].startswith("GPU x1")
+
+
+def test_report_ranges_do_not_pool_kernel_times_with_latencies(tmp_path):
+    _run(tmp_path, "GPU x1", "2026-01-01T00:00:00", "kern", ours_ms=9.0, fraction=0.1)   # no key: "kernels"
+    _run(tmp_path, "GPU x1", "2026-01-02T00:00:00", "kern", ours_ms=1.5, fraction=0.5, timing="latency")
+    _run(tmp_path, "GPU x1", "2026-01-03T00:00:00", "kern", ours_ms=1.0, fraction=0.6, timing="latency")
+    row = next(line for line in results_markdown(tmp_path).splitlines() if line.startswith("| kern "))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[2] == "1.000 (1.000-1.500)" and cells[6] == "2"
+
+
+def test_report_shows_no_fraction_of_copy_for_interconnect_benchmarks(tmp_path):
+    stem = sorted(NOT_COPY_BOUND)[0]
+    _run(tmp_path, "GPU x2", "2026-01-01T00:00:00", stem, ours_ms=1.0, fraction=0.1)
+    row = next(line for line in results_markdown(tmp_path).splitlines() if line.startswith(f"| {stem} "))
+    assert [c.strip() for c in row.split("|")[1:-1]][5] == "-"
