@@ -36,7 +36,14 @@ def test_quantization_error_measures_bits_and_error(name):
     assert isinstance(err, QuantizationError)
     assert err.bits_per_element == pytest.approx(BITS[name], rel=1e-12)
     fp4 = name.startswith("nvfp4")
-    assert 0 < err.median_rel_err < (0.25 if fp4 else 2.0**-4)  # half an ULP: E2M1 2**-2, E4M3 2**-4
+    # Rounding to nearest leaves an error spread evenly over [0, half an ULP]: with p mantissa bits and mantissa m in
+    # [1, 2) the relative error is u * 2**-(p+1) / m (u uniform in [0, 1]), whose median 2**-(p+2) / E[m] lies
+    # between 2**-(p+3) and 2**-(p+2) whatever the data. E4M3 (p=3): (2**-6, 2**-5). E2M1 (p=1): (2**-4, 2**-3) in
+    # its normal range [1, 6]; the values of a block that land below 1 (grid 0, 0.5) err more, but they are a
+    # minority (~26% of a Gaussian 1x16 block, ~39% of a 16x16 tile) and no value of 1 or more errs by more than
+    # 2**-2, so the median stays below 2**-2.
+    lo, hi = (2.0**-4, 2.0**-2) if fp4 else (2.0**-6, 2.0**-5)
+    assert lo < err.median_rel_err < hi
     assert 0 <= err.flushed < (0.2 if fp4 else 1e-3) and 0 < err.rel_rmse < (0.2 if fp4 else 0.05)
 
 
