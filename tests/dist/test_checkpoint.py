@@ -523,6 +523,28 @@ def test_torch_state_init_takes_a_step_that_requantizes_and_init_state_does_not(
     assert seen["init_optimizer_state"] == (False, False, 0, {0.0})
 
 
+def test_chunk_safe_globals_follow_the_serialization_registry(monkeypatch):
+    """chunk_safe_globals reads the quantized tensor classes from serialization's registry: one defined
+    later is on it, a quantizer class declared there is not (a chunk holds none)."""
+    from tutorial_lib.dist.checkpoint import chunk_safe_globals
+    from tutorial_lib.quant import serialization
+    from tutorial_lib.quant.tensor import QuantizedTensor
+
+    monkeypatch.setattr(serialization, "_SAFE_GLOBALS", list(serialization._SAFE_GLOBALS))  # leave no class behind
+
+    class _LateFloat8(Float8Tensor):
+        pass
+
+    class _LateDelayed(DelayedScaling):
+        pass
+
+    serialization.add_safe_global(_LateDelayed)
+    allowed = chunk_safe_globals()
+    assert _LateFloat8 in allowed and _LateDelayed in serialization._SAFE_GLOBALS
+    assert not any(isinstance(o, type) and not issubclass(o, QuantizedTensor) for o in allowed)  # no quantizer
+    assert set(allowed) == {*serialization.quantized_tensor_globals(), QuantizedTensor}
+
+
 def test_load_checkpoint_allowlists_the_chunk_globals_and_no_quantizer():
     """A fresh process (torch's allowlist only): load_checkpoint adds rebuild_quantized and the tensor
     classes -- no quantizer class -- and a delayed-scaling model with its quantizer state loads exactly."""

@@ -18,8 +18,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import transform_subclass
 
+from tutorial_lib.quant import serialization
+from tutorial_lib.quant.float8 import CurrentScaling, Float8Tensor
 from tutorial_lib.quant.registry import FORMAT_NAMES, make_quantizer
-from tutorial_lib.quant.serialization import LOST_VIEW_ROOT, rebuild_quantized, register_safe_globals
+from tutorial_lib.quant.serialization import (
+    LOST_VIEW_ROOT,
+    add_safe_global,
+    quantized_tensor_globals,
+    rebuild_quantized,
+    register_safe_globals,
+)
 from tutorial_lib.quant.tensor import Layout
 
 SHARED_SCALE_FORMATS = ["fp8", "nvfp4_1x16"]  # the formats whose views requantize through their root
@@ -162,3 +170,43 @@ def test_weights_only_load_needs_exactly_the_registered_globals(fmt):
     assert out["v"]._view_root is out["w"] and out["alias"]._view_root is None
     for name, b in q.raw_buffers().items():
         assert torch.equal(out["w"].raw_buffers()[name], b)
+
+
+def test_quantized_tensor_globals_are_the_registered_tensor_classes_without_quantizers(monkeypatch):
+    """The tensor part of the registry: a QuantizedTensor subclass defined later is on it, a quantizer
+    class declared with add_safe_global is on register_safe_globals' list only."""
+    monkeypatch.setattr(serialization, "_SAFE_GLOBALS", list(serialization._SAFE_GLOBALS))  # leave no class behind
+
+    class _LateFloat8(Float8Tensor):
+        pass
+
+    class _LateScaling(CurrentScaling):
+        pass
+
+    add_safe_global(_LateScaling)
+    tensor_globals = quantized_tensor_globals()
+    assert tensor_globals[0] is rebuild_quantized and Float8Tensor in tensor_globals and _LateFloat8 in tensor_globals
+    assert not any(o in tensor_globals for o in (_LateScaling, CurrentScaling, Layout))
+    registered = serialization._SAFE_GLOBALS
+    assert set(tensor_globals) - {rebuild_quantized} == {o for o in registered if issubclass(o, torch.Tensor)}
+    assert len(set(tensor_globals)) == len(tensor_globals)
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_a_tensor_without_its_quantizer_loads_with_quantized_tensor_globals(fmt):
+    """Without the quantizer classes a weights_only load rebuilds a quantizer-free tensor, and refuses
+    one that pickles its quantizer (that class is not on the list)."""
+    q = make_quantizer(fmt).quantize(torch.randn(256, 256, generator=torch.Generator().manual_seed(2)))
+    bare = type(q).from_buffers(q.raw_buffers(), q.meta(), q.shape, q.dtype)  # quantizer None
+    saved = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        torch.serialization.add_safe_globals(quantized_tensor_globals())
+        out = _save_load(bare)
+        with pytest.raises(pickle.UnpicklingError, match=type(q.quantizer).__name__):
+            _save_load(q)
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(saved)
+    assert type(out) is type(q) and out.quantizer is None
+    assert all(torch.equal(out.raw_buffers()[n], b) for n, b in q.raw_buffers().items())

@@ -79,7 +79,7 @@ from tutorial_lib.dist.checkpoint_checks import (
     uninitialized_memory_as_nan,
 )
 from tutorial_lib.dist.checkpoint_dirs import CheckpointDir, checkpoint_dir, shared_checkpoint_dir
-from tutorial_lib.quant.serialization import rebuild_quantized
+from tutorial_lib.quant.serialization import quantized_tensor_globals
 from tutorial_lib.quant.tensor import QuantizedTensor
 
 __all__ = [
@@ -223,14 +223,10 @@ def save_checkpoint(state_dict: dict, path: str | os.PathLike, *, mode: str = "s
 
 def chunk_safe_globals() -> list:
     """What a :func:`clean_quantized` chunk needs on ``torch.load(weights_only=True)``'s allowlist:
-    :func:`~tutorial_lib.quant.serialization.rebuild_quantized` and the quantized tensor classes
-    (every subclass of ``QuantizedTensor`` defined so far). No quantizer class: a chunk holds none."""
-    classes, todo = [], [QuantizedTensor]
-    while todo:
-        cls = todo.pop()
-        classes.append(cls)
-        todo.extend(cls.__subclasses__())
-    return [rebuild_quantized, *classes]
+    :func:`~tutorial_lib.quant.serialization.rebuild_quantized`, the ``QuantizedTensor`` base and the
+    quantized tensor classes (every subclass of ``QuantizedTensor`` defined so far, as declared to
+    :func:`~tutorial_lib.quant.serialization.quantized_tensor_globals`). No quantizer class: a chunk holds none."""
+    return [*quantized_tensor_globals(), QuantizedTensor]
 
 
 @contextlib.contextmanager

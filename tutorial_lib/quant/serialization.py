@@ -7,7 +7,8 @@ through torch's ``_rebuild_wrapper_subclass``, whose signature changes between r
 way) only calls functions and classes on its allow-list, so every quantized tensor class (added
 when the class is defined) and quantizer class (added by its module with :func:`add_safe_global`)
 is collected here, and :func:`register_safe_globals` puts them all on torch's list.
-``tutorial_lib.setup()`` does that once at import.
+``tutorial_lib.setup()`` does that once at import. :func:`quantized_tensor_globals` is the part of
+that list a tensor pickled WITHOUT its quantizer needs (a DCP chunk: ``tutorial_lib.dist.checkpoint``).
 
 A partial view (``q[1:3]``) shares its scale with elements it cannot see, so it keeps a link to
 the tensor that owns them (``_view_root``; a requantizing write rescales that whole root). Copies
@@ -34,8 +35,8 @@ import copy
 
 import torch
 
-__all__ = ["LOST_VIEW_ROOT", "LostViewRoot", "PicklableWrapper", "add_safe_global", "rebuild_quantized",
-           "register_safe_globals"]
+__all__ = ["LOST_VIEW_ROOT", "LostViewRoot", "PicklableWrapper", "add_safe_global", "quantized_tensor_globals",
+           "rebuild_quantized", "register_safe_globals"]
 
 _SAFE_GLOBALS: list = []
 
@@ -125,6 +126,17 @@ def register_safe_globals(*extra) -> list:
             objs.append(obj)
     torch.serialization.add_safe_globals(objs)
     return objs
+
+
+def quantized_tensor_globals() -> list:
+    """:func:`rebuild_quantized` and every quantized tensor class declared so far, without the quantizer
+    classes: what a tensor pickled without its quantizer needs on ``torch.load(weights_only=True)``'s list.
+
+    Read from the same declarations as :func:`register_safe_globals` (a tensor class is any declared
+    subclass of :class:`PicklableWrapper`); puts nothing on torch's list.
+    """
+    return [rebuild_quantized,
+            *(obj for obj in _SAFE_GLOBALS if isinstance(obj, type) and issubclass(obj, PicklableWrapper))]
 
 
 class PicklableWrapper:
