@@ -136,6 +136,25 @@ def test_wide_figures_are_scaled_and_long_outputs_cut(tmp_path):
     assert stream.startswith("line 0\n") and stream.endswith(f"line {render.MAX_STREAM_LINES + 49}\n")
 
 
+def test_a_copy_showing_code_that_is_gone_is_named(tmp_path):
+    from tutorial_lib.harness.source import show_source
+
+    lib = tmp_path / "tutorial_lib"
+    lib.mkdir()
+    (lib / "mod.py").write_text("def f(x):\n    y = x + 1\n\n    return y\n")
+    shown = show_source(render.shown_code_gone).splitlines()   # a real header and numbered lines, then ours
+    body = shown[1:4]
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("show_source(f)", outputs=[nbformat.v4.new_output(
+        "stream", name="stdout", text="# tutorial_lib/mod.py:1\n1  def f(x):\n2      y = x + 1\n3\n4      return y\n"
+                                      "other output 12  after the block\n")])]
+    assert render.shown_code_gone(nb, root=tmp_path) == []   # line numbers may drift; the text is all there
+    (lib / "mod.py").write_text("def f(x):\n    y = x + 2\n    return y\n")
+    assert render.shown_code_gone(nb, root=tmp_path) == [
+        "cell 0 shows a line tutorial_lib/mod.py no longer has: 'y = x + 1'"]
+    assert body and all(render._SHOWN_LINE.match(line) for line in body)   # the format show_source prints
+
+
 def test_stale_copies_are_named(tmp_path):
     source = _lesson(tmp_path)
     out_dir = tmp_path / "rendered"

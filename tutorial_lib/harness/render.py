@@ -17,7 +17,8 @@ cleaned up for reading::
 
 The README's lesson table links each lesson that has a rendered copy (``readme_with_links``; the
 command updates it). A rendered copy whose cells no longer match its lesson is stale:
-``stale_cells`` names the first differences, and ``tests/harness/test_render.py`` fails on it.
+``stale_cells`` names the first differences, and ``tests/harness/test_render.py`` fails on it. So does a copy
+that shows library code (``harness.source.show_source``) its file no longer contains (``shown_code_gone``).
 """
 
 from __future__ import annotations
@@ -94,6 +95,37 @@ def stale_cells(rendered, source, limit: int = 3) -> list[str]:
                 break
     if len(a) != len(b):
         problems.append(f"the copy has {len(a)} cells, the lesson {len(b)}")
+    return problems
+
+
+_SHOWN_HEADER = re.compile(r"# ((?:tutorial_lib|kernels)/\S+\.py):\d+$")  # harness.source.show_source's header
+_SHOWN_LINE = re.compile(r"\s*\d+(?:  (.*))?$")  # "<number>  <the line>" (an empty line: the number alone)
+
+
+def shown_code_gone(rendered, root: Path = REPO_ROOT, limit: int = 3) -> list[str]:
+    """Library lines a rendered copy shows (``show_source`` outputs: ``# file:line`` then numbered lines)
+    that its file no longer contains: the copy displays code that is gone. Line NUMBERS may drift as code
+    above moves; only the text counts. At most ``limit`` problems."""
+    problems = []
+    for i, cell in enumerate(rendered.cells):
+        for out in cell.get("outputs", []):
+            text = out.get("text") if out.get("output_type") == "stream" else None
+            lines, path = None, None
+            for line in (text or "").splitlines():
+                header = _SHOWN_HEADER.match(line)
+                if header:
+                    path = header.group(1)
+                    file = root / path
+                    lines = set(file.read_text().splitlines()) if file.exists() else set()
+                    continue
+                shown = _SHOWN_LINE.match(line) if lines is not None else None
+                if shown is None:
+                    lines = None  # the block ended: other output follows
+                elif (shown.group(1) or "").rstrip() not in lines:
+                    problems.append(f"cell {i} shows a line {path} no longer has: {shown.group(1).strip()[:60]!r}")
+                    lines = None  # one problem per shown block
+                    if len(problems) == limit:
+                        return problems
     return problems
 
 
@@ -255,6 +287,7 @@ def check_rendered(directory: Path = RENDERED_DIR, notebooks: Path = NOTEBOOK_DI
             problems.append(f"{path.name}: {path.stat().st_size:,} bytes, over the {MAX_BYTES:,} cap")
         nb = nbformat.read(path, as_version=4)
         problems += [f"{path.name}: {p}" for p in stale_cells(nb, nbformat.read(source, as_version=4))]
+        problems += [f"{path.name}: {p}" for p in shown_code_gone(nb)]
         try:
             verify_executed(nb)
         except LessonFailed as exc:
