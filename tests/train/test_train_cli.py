@@ -135,3 +135,37 @@ def test_determinism_is_the_default_and_can_be_turned_off():
     assert cfg.deterministic  # bit-exact resume on GPUs
     cfg, _ = parse_args(["--out", "runs/x", "--nondeterministic"])
     assert not cfg.deterministic
+
+
+def test_a_resume_continues_the_same_run_or_stops_before_training(tmp_path):
+    """One process, a tiny run with checkpoints at steps 2 and 4; then the resumes a reader might try."""
+    out = tmp_path / "run"
+    base = [sys.executable, "-m", "tutorial_lib.train", "--out", str(out), *ARGS[:6], "--warmup", "1",
+            "--eval-every", "100", "--no-progress", "--ckpt-every", "2"]
+    r = _run([*base, "--steps", "4"], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    # a larger --steps stretches the cosine schedule: not the run the checkpoint came from
+    r = _run([*base, "--steps", "6", "--resume"], timeout=120)
+    assert r.returncode == 2 and "steps: 4 -> 6" in r.stderr and "start a new --out" in r.stderr, r.stderr[-2000:]
+    r = _run([*base, "--steps", "4", "--batch-size", "4", "--resume"], timeout=120)
+    assert r.returncode == 2 and "global_batch: 8 -> 4" in r.stderr, r.stderr[-2000:]
+    # rewinding to step 2 would train two steps, then fail to write step 4 over the existing one: refused first
+    r = _run([*base, "--steps", "4", "--resume", str(out / "checkpoints" / "step_0000002")], timeout=120)
+    assert r.returncode == 2 and "would write already exist" in r.stderr and "step_0000004" in r.stderr, r.stderr
+    # resumed exactly at the end: nothing is timed, and the metrics stay valid JSON (null, never NaN)
+    r = _run([*base, "--steps", "4", "--resume"], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "NaN" not in (out / "metrics.jsonl").read_text()
+    assert read_metrics(out / "metrics.jsonl", "end")[-1]["tokens_per_s"] is None
+
+
+def test_more_ranks_than_validation_windows_fail_before_training(tmp_path):
+    r = _run(_torchrun(2, tmp_path / "v", "--eval-windows", "1"))
+    # each rank exits 2 with the one line; torchrun reports the failed children with its own status
+    assert r.returncode != 0 and "error (rank 0): 2 ranks need at least 2 validation windows" in r.stderr, r.stderr
+    assert not (tmp_path / "v" / "metrics.jsonl").exists(), "refused before the run started"
+
+
+def test_timeout_must_be_positive():
+    with pytest.raises(SystemExit):
+        parse_args(["--out", "runs/x", "--timeout", "0"])

@@ -8,7 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tutorial_lib.train.checkpoints import checkpoint_path, latest_checkpoint, resolve_resume
+from tutorial_lib.train.checkpoints import (
+    RunMismatchError,
+    check_no_checkpoints_ahead,
+    check_same_run,
+    checkpoint_path,
+    latest_checkpoint,
+    resolve_resume,
+    run_definition,
+    write_run_definition,
+)
 from tutorial_lib.train.data import VOCAB_SIZE, TextData, corpus_bytes, unigram_entropy
 from tutorial_lib.train.loop import TrainConfig, describe_matmul, learning_rate
 from tutorial_lib.train.metrics import MetricsLog, read_metrics
@@ -152,6 +161,30 @@ def test_metrics_log(tmp_path):
     log.write("train", step=6, loss=2.0)
     assert read_metrics(tmp_path / "m.jsonl", "eval") == [{"event": "eval", "step": 5, "val_loss": 2.5}]
     assert len(read_metrics(tmp_path / "m.jsonl")) == 2
+
+
+def test_metrics_are_strict_json_without_nan(tmp_path):
+    MetricsLog(tmp_path / "m.jsonl").write("end", tokens_per_s=float("nan"), per_rank=[1.0, float("inf")])
+    assert read_metrics(tmp_path / "m.jsonl") == [{"event": "end", "tokens_per_s": None, "per_rank": [1.0, None]}]
+
+
+def test_a_resume_must_keep_the_runs_definition(tmp_path):
+    cfg = TrainConfig(steps=10, batch_size=4, out=str(tmp_path))
+    write_run_definition(tmp_path, run_definition(cfg, world_size=2))
+    ckpt = checkpoint_path(tmp_path, 5)
+    check_same_run(ckpt, run_definition(TrainConfig(steps=10, batch_size=8, out=str(tmp_path)), world_size=1))
+    check_same_run(ckpt, run_definition(TrainConfig(steps=10, batch_size=4, eval_every=3, out=str(tmp_path)), 2))
+    with pytest.raises(RunMismatchError, match=r"lr: 0.002 -> 0.001; steps: 10 -> 20"):
+        check_same_run(ckpt, run_definition(TrainConfig(steps=20, lr=1e-3, batch_size=4, out=str(tmp_path)), 2))
+    check_same_run(checkpoint_path(tmp_path / "elsewhere", 5), run_definition(cfg, 3))   # no run.json: unchecked
+
+
+def test_checkpoints_ahead_of_a_resume_are_refused_before_training(tmp_path):
+    os.makedirs(checkpoint_path(tmp_path, 6))
+    check_no_checkpoints_ahead(tmp_path, start=6, steps=9, every=3)   # writes 9 only
+    check_no_checkpoints_ahead(tmp_path, start=3, steps=9, every=0)   # no checkpoints
+    with pytest.raises(FileExistsError, match="step_0000006"):
+        check_no_checkpoints_ahead(tmp_path, start=3, steps=9, every=3)
 
 
 def test_a_device_the_process_group_cannot_serve_is_a_clear_error(tmp_path, monkeypatch):

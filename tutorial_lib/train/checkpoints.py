@@ -14,6 +14,12 @@ for the continuation to equal the uninterrupted run bit for bit.
 DCP writes ``.metadata`` last, after every rank's shard file: a directory without it is a save
 that was interrupted (a killed job), and :func:`latest_checkpoint` skips it.
 
+``<out>/run.json`` holds what defines the run's trajectory (:func:`run_definition`: format, size, data
+order, global batch, learning-rate schedule, weight decay). A resume compares it with its own
+(:func:`check_same_run`) and refuses any difference: a resumed run that reads other batches or follows
+another schedule -- e.g. a larger ``steps``, which stretches the cosine decay -- would no longer be the
+run its checkpoint came from.
+
 Example::
 
     from tutorial_lib.train.checkpoints import checkpoint_path, latest_checkpoint, resolve_resume
@@ -27,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -35,8 +42,11 @@ import torch
 from tutorial_lib.dist.checkpoint import load_checkpoint, save_checkpoint
 from tutorial_lib.dist.training_state import TrainingState
 
-__all__ = ["checkpoint_path", "latest_checkpoint", "load_training_checkpoint", "resolve_resume",
-           "save_training_checkpoint"]
+__all__ = ["RUN_FILE", "RunMismatchError", "check_no_checkpoints_ahead", "check_same_run", "checkpoint_path",
+           "latest_checkpoint", "load_training_checkpoint", "resolve_resume", "run_definition",
+           "save_training_checkpoint", "write_run_definition"]
+
+RUN_FILE = "run.json"  # <out>/run.json: what defines the run (see run_definition)
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -90,3 +100,56 @@ def load_training_checkpoint(model, optimizer, path: str) -> int:
     if m and int(m.group(1)) != step:
         raise ValueError(f"checkpoint {path} says it holds step {step}, its directory name says {m.group(1)}")
     return step
+
+
+class RunMismatchError(ValueError):
+    """A resume with settings that change the run's trajectory (data order, schedule, model, format)."""
+
+
+def run_definition(cfg, world_size: int) -> dict:
+    """What fixes a run's trajectory: a resume must keep all of it. ``cfg``: a ``TrainConfig``. The global batch
+    (ranks x sequences per rank) is what orders the data, so a resume may change the world size if it keeps it."""
+    return {"format": cfg.fmt, "size": cfg.size, "seq_len": cfg.model_config().seq_len,
+            "global_batch": world_size * cfg.batch_size, "micro_batches": cfg.micro_batches,
+            "data_seed": cfg.data_seed, "steps": cfg.steps, "lr": cfg.lr, "warmup": cfg.warmup,
+            "weight_decay": cfg.weight_decay}
+
+
+def write_run_definition(out: str | os.PathLike, definition: dict) -> str:
+    """Write ``<out>/run.json`` (rank 0 calls it); returns the path."""
+    path = os.path.join(os.fspath(out), RUN_FILE)
+    os.makedirs(os.fspath(out), exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(definition, fh, indent=1, sort_keys=True)
+    return path
+
+
+def check_same_run(checkpoint: str, definition: dict) -> None:
+    """Refuse (``RunMismatchError``, naming every difference) a resume from ``checkpoint`` whose run -- the
+    ``run.json`` two levels up, ``<out>/checkpoints/step_N`` -- differs from ``definition``. A checkpoint
+    without one (written elsewhere) is not checked."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.normpath(checkpoint))), RUN_FILE)
+    if not os.path.exists(path):
+        return
+    with open(path) as fh:
+        saved = json.load(fh)
+    diff = [f"{k}: {saved.get(k)!r} -> {definition.get(k)!r}" for k in sorted({*saved, *definition})
+            if saved.get(k) != definition.get(k)]
+    if diff:
+        raise RunMismatchError(
+            f"--resume {checkpoint}: this run differs from the one that wrote it ({'; '.join(diff)}); a resume "
+            "continues the SAME run (steps sets the learning-rate schedule; the global batch, data seed and "
+            "micro-batches the data order): start a new --out instead")
+
+
+def check_no_checkpoints_ahead(out: str | os.PathLike, start: int, steps: int, every: int) -> None:
+    """Refuse (``FileExistsError``) before any training a run from ``start`` to ``steps`` whose checkpoint
+    every ``every`` steps would land on a directory that already exists (a newer checkpoint of an earlier run):
+    the save would fail after the training in between."""
+    if not every:
+        return
+    taken = [checkpoint_path(out, s) for s in range(start + 1, steps + 1) if s % every == 0
+             and os.path.exists(checkpoint_path(out, s))]
+    if taken:
+        raise FileExistsError(f"{len(taken)} checkpoint(s) this run would write already exist, first {taken[0]}: "
+                              "resume from the latest one, or move them / use a new --out")

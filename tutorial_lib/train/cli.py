@@ -18,10 +18,12 @@ every node can read and write (checkpoints are written by every rank, ``metrics.
 Security: multi-node rendezvous listens on the network without authentication; ``SECURITY.md`` says
 which ports and how to keep them private.
 
-Bad input fails before any collective, with exit status 2 and one line naming the constraint:
-an unknown ``--format`` or ``--size``, ``--resume`` with no complete checkpoint, ``--device cpu``
-next to compiled kernels, or a world size the model cannot be sharded over (e.g. 128x128 weight
-tiles over ranks whose shards are not multiples of 128 rows).
+Bad input fails before any training, with exit status 2 and one line naming the constraint:
+an unknown ``--format`` or ``--size``, ``--resume`` with no complete checkpoint, a resume whose
+steps, batch, data seed or schedule differ from the run it continues, checkpoints this run would
+write that already exist, more ranks than ``--eval-windows``, ``--device cpu`` next to compiled
+kernels, or a world size the model cannot be sharded over (e.g. 128x128 weight tiles over ranks
+whose shards are not multiples of 128 rows).
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, float]:
     p.add_argument("--data-seed", type=int, default=0, help="data order seed")
     p.add_argument("--ckpt-every", type=int, default=0, help="DCP checkpoint every N steps (default 0: never)")
     p.add_argument("--eval-every", type=int, default=50, help="validation loss every N steps (default 50)")
+    p.add_argument("--eval-windows", type=int, default=64,
+                   help="validation windows per evaluation, split over the ranks: at least one per rank (default 64)")
     p.add_argument("--log-every", type=int, default=10, help="metrics record every N steps (default 10)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--nondeterministic", action="store_true",
@@ -71,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, float]:
                         "approximately)")
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds (default 600)")
     a = p.parse_args(argv)
+    if not a.timeout > 0:
+        p.error(f"--timeout must be > 0 seconds, got {a.timeout}")
     if a.format not in FORMATS:
         p.error(f"unknown --format {a.format!r}; known formats: {', '.join(FORMATS)}")
     if a.size not in SIZES:
@@ -79,7 +85,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, float]:
         cfg = TrainConfig(fmt=a.format, steps=a.steps, size=a.size, seq_len=a.seq_len, batch_size=a.batch_size,
                           micro_batches=a.micro_batches, lr=a.lr, warmup=a.warmup, seed=a.seed, data_seed=a.data_seed,
                           device=a.device, out=a.out, ckpt_every=a.ckpt_every, resume=a.resume,
-                          eval_every=a.eval_every, log_every=a.log_every, progress=not a.no_progress,
+                          eval_every=a.eval_every, eval_windows=a.eval_windows, log_every=a.log_every,
+                          progress=not a.no_progress,
                           deterministic=not a.nondeterministic)
     except ValueError as exc:
         p.error(str(exc))
@@ -115,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         result = train_model(cfg)
-    except (UnshardableError, FileNotFoundError, ValueError) as exc:
+    except (UnshardableError, FileNotFoundError, FileExistsError, ValueError) as exc:
         print(f"error (rank {dist.get_rank()}): {exc}", file=sys.stderr)
         return 2
     finally:

@@ -11,6 +11,7 @@ What :func:`train_model` does on every rank, in order (the lesson each step come
     6  matmuls: FP8 GEMMs on the all-gathered FP8 bytes where the format has one,  (09)
        else the weight is dequantized to bf16 on use (the run says which)
     7  resume: load the latest (or a given) DCP checkpoint, continue at its step   (10)
+       (refused if the run's definition -- steps, schedule, batch, data order -- changed)
     8  per step: the step's batch (a pure function of step and rank), forward, loss, backward
        (micro-batches: FSDP2's gradient sync only on the last), FusedAdam step
     9  every ckpt_every steps a DCP checkpoint; every eval_every steps the validation loss;
@@ -32,7 +33,9 @@ Inside a rank started by :func:`tutorial_lib.dist.launcher.launch` (lessons, tes
     from tutorial_lib.train.loop import TrainConfig, train_model
     result = train_model(TrainConfig(fmt="fp8", steps=200, size="tiny", out="runs/fp8", ckpt_every=50))
     result.final_val_loss, result.tokens_per_s, result.peak_memory_bytes, result.matmul
-    train_model(TrainConfig(fmt="fp8", steps=300, size="tiny", out="runs/fp8", resume="latest"))   # continues at 200
+    # killed? the same config with resume="latest" continues from the newest checkpoint (a changed steps,
+    # batch or schedule is refused: <out>/run.json defines the run)
+    train_model(TrainConfig(fmt="fp8", steps=200, size="tiny", out="runs/fp8", ckpt_every=50, resume="latest"))
 """
 
 from __future__ import annotations
@@ -54,7 +57,15 @@ from tutorial_lib.dist.runtime import deterministic_cuda, require_kernels_for, r
 from tutorial_lib.harness.progress import progress
 from tutorial_lib.optim.fused_adam import FusedAdam
 from tutorial_lib.quant.registry import get_format_info, recipe
-from tutorial_lib.train.checkpoints import load_training_checkpoint, resolve_resume, save_training_checkpoint
+from tutorial_lib.train.checkpoints import (
+    check_no_checkpoints_ahead,
+    check_same_run,
+    load_training_checkpoint,
+    resolve_resume,
+    run_definition,
+    save_training_checkpoint,
+    write_run_definition,
+)
 from tutorial_lib.train.data import VOCAB_SIZE, TextData
 from tutorial_lib.train.metrics import MetricsLog, memory_kind, peak_memory_bytes, state_digest
 from tutorial_lib.train.transformer import FORMATS, Transformer, TransformerConfig, matmul_for_format, quantized_select
@@ -245,7 +256,11 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     mesh, dev = train_mesh(cfg)
     rank, ws = dist.get_rank(), dist.get_world_size()
     resume_path = resolve_resume(cfg.resume, cfg.out)  # every rank, before any collective
+    definition = run_definition(cfg, ws)
+    if resume_path:
+        check_same_run(resume_path, definition)  # a resume continues the same run, or stops here
     data = TextData.load(cfg.model_config().seq_len)
+    data.val_windows(rank, ws, cfg.eval_windows)  # enough validation windows for every rank: fail now, not at the end
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     model, opt, model_cfg = build_model_and_optimizer(cfg, mesh, dev)
@@ -254,6 +269,10 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     start = load_training_checkpoint(model, opt, resume_path) if resume_path else 0
     if start > cfg.steps:
         raise ValueError(f"checkpoint {resume_path} is at step {start}, past steps={cfg.steps}")
+    if cfg.out is not None:
+        check_no_checkpoints_ahead(cfg.out, start, cfg.steps, cfg.ckpt_every)  # every save would succeed
+        if rank == 0:
+            write_run_definition(cfg.out, definition)
     if rank == 0:
         print(f"[train] {cfg.fmt}: {matmul}; {ws} rank(s) on {dev.type}; {model_cfg.n_params():,} parameters"
               + (f"; resumed at step {start} from {resume_path}" if resume_path else ""), flush=True)
@@ -290,13 +309,14 @@ def train_model(cfg: TrainConfig) -> TrainResult:
                       step_ms=step_ms, peak_memory_bytes=[int(m.item()) for m in mems], memory_kind=memory_kind(dev))
             bar.set_postfix(loss=f"{step_losses[-1]:.3f}", tok_s=f"{rate:,.0f}")
             restart = True
-        if done % cfg.eval_every == 0 or done == cfg.steps:
-            val_losses[done] = evaluate(model, data, cfg, dev)
-            log.write("eval", step=done, val_loss=val_losses[done])
-            restart = True
+        # the checkpoint before the evaluation: the step's work is saved first
         if cfg.ckpt_every and done % cfg.ckpt_every == 0:
             checkpoints.append(save_training_checkpoint(model, opt, done, cfg.out))
             log.write("checkpoint", step=done, path=checkpoints[-1])
+            restart = True
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            val_losses[done] = evaluate(model, data, cfg, dev)
+            log.write("eval", step=done, val_loss=val_losses[done])
             restart = True
         if cfg.crash_after is not None and done == cfg.crash_after:
             bar.close()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import resource
 
@@ -49,8 +50,19 @@ class MetricsLog:
         record = {"event": event, **fields}
         if self.enabled:
             with open(self.path, "a") as fh:
-                fh.write(json.dumps(record) + "\n")
+                fh.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
         return record
+
+
+def _json_safe(value):
+    """``value`` with every non-finite float as ``None`` (JSON has no NaN: strict parsers reject the token)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def read_metrics(path: str | os.PathLike, event: str | None = None) -> list[dict]:
