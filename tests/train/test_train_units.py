@@ -211,3 +211,32 @@ def test_a_device_the_process_group_cannot_serve_is_a_clear_error(tmp_path, monk
         assert dev.type == "cpu" and mesh.size() == 1
     finally:
         dist.destroy_process_group()
+
+
+def _resume_seen_by_ranks(paths: list[str]):
+    """Rank function: each rank is told to resume from its own path (as nodes whose file systems disagree)."""
+    import torch.distributed as dist
+
+    from tutorial_lib.train.loop import _agreed_resume_path
+
+    cfg = TrainConfig(out=os.path.dirname(paths[0]), resume=paths[dist.get_rank()])
+    try:
+        return _agreed_resume_path(cfg)
+    except FileNotFoundError as exc:
+        return f"refused: {exc}"
+
+
+def test_ranks_agree_on_the_checkpoint_they_resume_from_or_all_refuse(tmp_path):
+    from tutorial_lib.dist.launcher import launch
+
+    ckpts = [checkpoint_path(tmp_path, s) for s in (3, 6)]
+    for c in ckpts:
+        os.makedirs(c)
+        open(os.path.join(c, ".metadata"), "w").close()
+    same = launch(_resume_seen_by_ranks, world_size=2, device="cpu", args=([ckpts[1], ckpts[1]],), timeout=120)
+    assert same == [ckpts[1], ckpts[1]]
+    differ = launch(_resume_seen_by_ranks, world_size=2, device="cpu", args=(ckpts,), timeout=120)
+    assert all(r.startswith("refused: --resume: the ranks see different checkpoints") for r in differ), differ
+    missing = launch(_resume_seen_by_ranks, world_size=2, device="cpu",
+                     args=([ckpts[0], str(tmp_path / "nothing")],), timeout=120)   # one rank finds nothing
+    assert all(r.startswith("refused: --resume") and "not a complete DCP checkpoint" in r for r in missing), missing

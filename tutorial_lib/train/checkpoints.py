@@ -33,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -41,6 +42,7 @@ import torch
 
 from tutorial_lib.dist.checkpoint import load_checkpoint, save_checkpoint
 from tutorial_lib.dist.training_state import TrainingState
+from tutorial_lib.train.data import corpus_bytes
 
 __all__ = ["RUN_FILE", "RunMismatchError", "check_no_checkpoints_ahead", "check_same_run", "checkpoint_path",
            "latest_checkpoint", "load_training_checkpoint", "resolve_resume", "run_definition",
@@ -108,8 +110,10 @@ class RunMismatchError(ValueError):
 
 def run_definition(cfg, world_size: int) -> dict:
     """What fixes a run's trajectory: a resume must keep all of it. ``cfg``: a ``TrainConfig``. The global batch
-    (ranks x sequences per rank) is what orders the data, so a resume may change the world size if it keeps it."""
+    (ranks x sequences per rank) is what orders the data, so a resume may change the world size if it keeps it.
+    The corpus ships with Python and differs between its releases: its digest is part of the run too."""
     return {"format": cfg.fmt, "size": cfg.size, "seq_len": cfg.model_config().seq_len,
+            "corpus_sha256": hashlib.sha256(corpus_bytes().numpy().tobytes()).hexdigest()[:16],
             "global_batch": world_size * cfg.batch_size, "micro_batches": cfg.micro_batches,
             "data_seed": cfg.data_seed, "steps": cfg.steps, "lr": cfg.lr, "warmup": cfg.warmup,
             "weight_decay": cfg.weight_decay}

@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import statistics
 import time
 
 import torch
@@ -221,8 +222,7 @@ def _sync(dev) -> None:
 
 
 def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2] if xs else float("nan")
+    return statistics.median(xs) if xs else float("nan")
 
 
 STEP_PHASES = ("train.data", "train.forward", "train.backward", "train.optimizer")
@@ -251,11 +251,31 @@ def train_step(model, opt, data: TextData, cfg: TrainConfig, step: int, dev) -> 
     return total if cfg.micro_batches == 1 else total / cfg.micro_batches
 
 
+def _agreed_resume_path(cfg: TrainConfig) -> str | None:
+    """The checkpoint every rank resumes from. Each rank resolves ``cfg.resume`` itself (a shared file system may
+    show a new checkpoint to some nodes before others), then the ranks compare: any error or disagreement is
+    raised on EVERY rank -- none waits in a collective for a rank that stopped, none loads another step."""
+    try:
+        mine = ("ok", resolve_resume(cfg.resume, cfg.out))
+    except FileNotFoundError as exc:
+        mine = ("error", str(exc))
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, mine)
+    errors = sorted({msg for kind, msg in seen if kind == "error"})
+    if errors:
+        raise FileNotFoundError(errors[0])
+    paths = sorted({str(path) for _, path in seen})
+    if len(paths) > 1:
+        raise FileNotFoundError(f"--resume: the ranks see different checkpoints {paths} (a shared file system not yet "
+                                "consistent across nodes?); resume from one explicitly")
+    return mine[1]
+
+
 def train_model(cfg: TrainConfig) -> TrainResult:
     """Run (or resume) one training run on every rank of the current process group; see the module docstring."""
     mesh, dev = train_mesh(cfg)
     rank, ws = dist.get_rank(), dist.get_world_size()
-    resume_path = resolve_resume(cfg.resume, cfg.out)  # every rank, before any collective
+    resume_path = _agreed_resume_path(cfg)
     definition = run_definition(cfg, ws)
     if resume_path:
         check_same_run(resume_path, definition)  # a resume continues the same run, or stops here
