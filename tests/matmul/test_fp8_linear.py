@@ -411,6 +411,39 @@ def test_blockmlp_keeps_qlinear_by_default_and_swap_linears_matches_the_fp8_opti
         assert torch.equal(p, q) and torch.equal(p.grad, q.grad), n
 
 
+def test_swap_linears_refuses_what_it_cannot_run_and_keeps_module_state():
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    head = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 100))   # an output layer of 100 features
+    with pytest.raises(FP8LayoutError, match=r"1 \(64 -> 100 features\).*multiples of 16.*select="):
+        swap_linears(head, "hybrid")
+    assert not any(isinstance(m, Fp8Linear) for m in head.modules())   # refused before any swap
+    with pytest.raises(FP8LayoutError, match=r"0 \(64 -> 64 features\).*multiples of 128"):
+        swap_linears(nn.Sequential(nn.Linear(64, 64)), "blockwise")
+    assert swap_linears(head, "hybrid", select=lambda name, m: m.out_features % 16 == 0) == ["0"]
+    # train/eval mode survives, and a linear shared by two parents stays ONE module
+    shared = nn.Linear(32, 32)
+    m = nn.Sequential(nn.Sequential(shared), nn.Sequential(shared)).eval()
+    assert swap_linears(m, "hybrid") == ["0.0", "1.0"]
+    assert m[0][0] is m[1][0] and isinstance(m[0][0], Fp8Linear) and not m[0][0].training
+    # nn.MultiheadAttention reads out_proj.weight itself: swapping it would claim FP8 where none runs
+    mha = nn.Sequential(nn.MultiheadAttention(32, 4, device=dev))
+    assert swap_linears(mha, "hybrid") == [] and type(mha[0].out_proj) is not Fp8Linear
+
+
+def test_a_second_derivative_through_fp8_linear_is_refused_not_zero():
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(32, 64, device=dev, generator=g, requires_grad=True)
+    w = torch.randn(32, 64, device=dev, generator=g, requires_grad=True)
+    # a gradient penalty (on x's gradient) needs the second derivative: refused when the graph is asked for,
+    # never a penalty whose terms through the layer are silently dropped
+    y = fp8_linear(x, w, None, "hybrid")
+    with pytest.raises(RuntimeError, match="fp8_linear has no second derivative"):
+        torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    y.square().sum().backward()   # a plain backward still works
+    assert x.grad is not None and w.grad is not None
+
+
 def _fsdp2_device() -> str:
     return "cuda" if torch.cuda.device_count() >= 2 else "cpu"
 

@@ -330,6 +330,9 @@ class _Fp8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # create_graph=True: our GEMMs run on FP8 codes autograd cannot follow
+            raise RuntimeError("fp8_linear has no second derivative (its backward GEMMs run on FP8 codes): "
+                               "create_graph=True through an Fp8Linear would silently drop every second-order term")
         w_param, w_data, w_scale, x_hp, x_t_data, x_scale = ctx.saved_tensors
         if w_param is not None:
             w_data, w_scale = _codes(w_param)
@@ -415,7 +418,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     (:mod:`~tutorial_lib.matmul.scaled_mm`): in/out features multiples of 16 (128 for blockwise); the
     token count (rows of x) free (hybrid) or a multiple of 4 (blockwise), and when the weight needs a
     gradient a multiple of 16 (hybrid) / 128 (blockwise), since wgrad contracts over it -- checked in
-    forward, with an :class:`~tutorial_lib.matmul.scaled_mm.FP8LayoutError` naming the rule.
+    forward, with an :class:`~tutorial_lib.matmul.scaled_mm.FP8LayoutError` naming the rule. There is no
+    second derivative: a backward with ``create_graph=True`` through it raises.
     """
     recipe = as_recipe(recipe)
     _check_weight(weight, recipe)
@@ -450,6 +454,7 @@ class Fp8Linear(nn.Linear):
                   recipe=recipe)
         new.weight = linear.weight
         new.bias = linear.bias
+        new.train(linear.training)
         return new
 
 
@@ -458,19 +463,36 @@ def swap_linears(model: nn.Module, recipe: Fp8Recipe | str = "hybrid", *, select
     parameters; ``select(name, module) -> bool`` narrows the choice. Returns the swapped module names.
 
     Call it BEFORE ``fully_shard`` (FSDP2 keeps references to the modules it manages); a linear
-    whose weight is already a DTensor is refused.
+    whose weight is already a DTensor is refused, and so is one whose features the recipe's GEMMs cannot
+    take (multiples of 16; 128 for blockwise) -- leave it out with ``select``, e.g. an LM head of 50,257
+    outputs. ``nn.MultiheadAttention``'s ``out_proj`` is left alone: the attention reads its weight
+    directly and never calls it. A linear reachable through several parents becomes ONE Fp8Linear.
     """
     recipe = as_recipe(recipe)
-    swapped = []
+    multiple = 128 if recipe.kind == "blockwise" else 16
+    chosen, picked = [], set()  # every (parent, attribute, name, linear) to swap, checked before any swap
     for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
+        if isinstance(parent, nn.MultiheadAttention):  # uses out_proj.weight in F.multi_head_attention_forward
+            continue
+        for child_name, child in parent.named_children():
             name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if not isinstance(child, nn.Linear) or isinstance(child, Fp8Linear):
-                continue
-            if select is not None and not select(name, child):
-                continue
-            if isinstance(child.weight, DTensor):
-                raise ValueError(f"{name} is already sharded (DTensor weight): swap linears before fully_shard")
-            setattr(parent, child_name, Fp8Linear.from_linear(child, recipe))
-            swapped.append(name)
-    return swapped
+            if id(child) not in picked:  # a shared linear: selected (and checked) once, swapped everywhere
+                if not isinstance(child, nn.Linear) or isinstance(child, Fp8Linear):
+                    continue
+                if select is not None and not select(name, child):
+                    continue
+                if isinstance(child.weight, DTensor):
+                    raise ValueError(f"{name} is already sharded (DTensor weight): swap linears before fully_shard")
+                if child.in_features % multiple or child.out_features % multiple:
+                    raise FP8LayoutError(
+                        f"{name} ({child.in_features} -> {child.out_features} features): the {recipe.kind} "
+                        f"recipe's FP8 GEMMs need in and out features that are multiples of {multiple}; leave it "
+                        f"out with select=lambda name, m: name != {name!r}, or pad its features")
+                picked.add(id(child))
+            chosen.append((parent, child_name, name, child))
+    made = {}  # id(old linear) -> its Fp8Linear: a module shared by several parents stays one module
+    for parent, child_name, _, child in chosen:
+        if id(child) not in made:
+            made[id(child)] = Fp8Linear.from_linear(child, recipe)
+        setattr(parent, child_name, made[id(child)])
+    return [name for _, _, name, _ in chosen]
