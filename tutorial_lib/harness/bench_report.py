@@ -39,14 +39,13 @@ def _runs_by_case(results_dir: str | Path) -> dict[str, tuple[dict, dict[str, li
     out: dict[str, tuple[dict, dict]] = {}
     for stem, runs in docs.items():
         newest = max(runs, key=lambda d: d["date"])
+        timing = {c["name"]: c.get("timing", "kernels") for c in newest["cases"]}
         by_case: dict[str, list[tuple[dict, dict]]] = {}
         for doc in runs:
-            if doc["machine"] == newest["machine"]:
-                for c in doc["cases"]:
+            for c in doc["cases"]:
+                if doc["machine"] == newest["machine"] and c.get("timing", "kernels") == timing.get(c["name"]):
                     by_case.setdefault(c["name"], []).append((doc, c))
-        timing = {c["name"]: c.get("timing", "kernels") for c in newest["cases"]}
-        out[stem] = (newest, {name: [(d, c) for d, c in pairs if c.get("timing", "kernels") == timing.get(name)]
-                              for name, pairs in by_case.items()})
+        out[stem] = (newest, by_case)
     return out
 
 

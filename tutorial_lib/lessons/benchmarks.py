@@ -256,7 +256,7 @@ class StepProfile:
     phases_ms: dict[str, float]  # forward, backward, optimizer: wall time of each (profiler, CPU side)
     device_ms: dict[str, float]  # CUDA: GPU time of the kernels each phase launched ({} on a CPU)
     collectives: dict[str, int]  # all-gathers, reduce-scatters, all-reduces seen in the step
-    step_ms: float  # the whole step, wall clock, not profiled (median of 3 synchronised steps)
+    step_ms: float  # the whole step, not profiled: median of 3 synchronised steps, slowest rank
     top_ops: list[tuple[str, float]]  # the 8 ops with the most self time (CPU), name and ms
 
 
@@ -278,23 +278,13 @@ def fsdp2_step_profile(dim: int = 64, hidden: int = 256, n_blocks: int = 2, batc
 
     for _ in range(2):
         step()
-    # the step's wall time WITHOUT the profiler (which adds its own start/stop and per-op recording):
-    # the median of 3 synchronised steps
-    walls = []
-    for _ in range(3):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t0 = time.perf_counter()
-        step()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        walls.append((time.perf_counter() - t0) * 1e3)
+    # the step's time WITHOUT the profiler (which adds its own start/stop and per-op recording)
+    step_ms = median_ms_all_ranks(step, dev, reps=3, warmup=0)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     with profile(activities=acts) as prof:
         step()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-    step_ms = statistics.median(walls)
     # CPU-side entries only: on CUDA each range is listed twice, also as a GPU-side annotation whose
     # device time is its span on the timeline (idle gaps included), not the time of its kernels
     avg = {e.key: e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU}
