@@ -50,6 +50,8 @@ def test_quick_run_writes_a_results_file(script, tmp_path):
         assert case["ours_ms"] > 0 and (case["bytes"] > 0 or case.get("tflops", 0) > 0
                                      or case.get("kind") == "host"), case
         assert all(ms > 0 for ms in case["peers"].values())
+    if script == "bench_adam.py":  # the host-bound 2,000-tensor case is timed from an idle GPU, host work in full
+        assert [c.get("timing") for c in doc["cases"][:2]] == ["kernels", "latency"]
 
 
 @pytest.mark.distributed
