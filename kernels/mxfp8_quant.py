@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 from tutorial_kernels import interpreted
-from tutorial_kernels.fp8_round import decode_fp8, encode_fp8, round_to_bf16_grid, widen_to_fp32
+from tutorial_kernels.fp8_round import decode_fp8, encode_fp8, to_bf16, widen_to_fp32
 
 __all__ = ["MX_BLOCK", "SCALE_ROUNDINGS", "mxfp8_quantize", "mxfp8_dequantize"]
 
@@ -93,9 +93,10 @@ def _mxfp8_dequantize_kernel(data_ptr, scale_ptr, out_ptr, n_blocks, size_bucket
     s = tl.where(code == 0, 0x00400000, code << 23).to(tl.float32, bitcast=True)  # 2**(code - 127)
     s = tl.where(code == 255, float("nan"), s)
     out = v * s[:, None]
-    if ROUND_BF16:
-        out = round_to_bf16_grid(out)
-    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    if ROUND_BF16:  # the interpreter's own bf16 cast truncates and flushes bf16 subnormals: RNE from the bits
+        tl.store(out_ptr + offs, to_bf16(out), mask=row_ok[:, None])
+    else:
+        tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 _CONFIGS = [triton.Config({"ROWS": r}, num_warps=w) for r in (32, 64, 128, 256) for w in (2, 4, 8)]

@@ -74,6 +74,17 @@ def test_dequantize_matches_reference(dtype):
     assert out.dtype == dtype and _same_values(out.float(), ref.float())
 
 
+def test_dequantize_to_bf16_keeps_bf16_subnormals():
+    """Small scales give products below 2**-126: bf16 holds them as subnormals (down to 2**-133)."""
+    codes = torch.arange(256, dtype=torch.uint8).repeat(4, 1).reshape(32, 32).to(DEV)
+    scale = torch.tensor([0, 1, 2, 3, 5, 8, 120, 127], dtype=torch.uint8).repeat_interleave(4)[:, None].to(DEV)
+    out = mxfp8_dequantize(codes, scale, torch.bfloat16)
+    ref = dequantize_mxfp8(codes, scale, dtype=torch.bfloat16)
+    tiny = ref.float().abs().lt(2.0**-126) & ref.ne(0)
+    assert tiny.sum() > 100, "the case must hold bf16 subnormals"
+    assert _same_values(out.float(), ref.float())
+
+
 def test_empty_and_bad_input():
     d, s = mxfp8_quantize(torch.empty(0, 64, device=DEV))
     assert d.shape == (0, 64) and s.shape == (0, 2)

@@ -670,3 +670,11 @@ def test_why_the_codes_are_uint8_each_claim_of_the_module_docstring(gloo_group):
     out = [torch.empty_like(u8)]
     gloo_group.allgather([out], [u8]).wait()
     assert torch.equal(out[0], u8)
+
+
+def test_repr_of_a_meta_tensor_does_not_read_the_scale():
+    """Meta-device models (FSDP2 init) hold meta Float8Tensors: repr must not call .item() on the scale."""
+    m = _q(scale=8.0).to("meta")
+    assert type(m) is Float8Tensor and m.device.type == "meta"
+    assert "scale_inv=?" in repr(m) and "scale_inv=0.125" in repr(_q(scale=8.0))
+    assert "scale_inv=?" in repr(torch.nn.Parameter(m, requires_grad=False))

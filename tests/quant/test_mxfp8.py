@@ -270,3 +270,23 @@ def test_from_buffers_checks_shapes():
     with pytest.raises(ValueError, match="32-element MX block"):
         MXFP8Tensor.from_buffers({"data": torch.zeros(4, 48, dtype=torch.uint8),
                                   "scale_e8m0": torch.zeros(4, 1, dtype=torch.uint8)}, {}, (4, 48), torch.float32)
+
+
+def test_auto_backend_sends_dtypes_the_kernel_lacks_to_the_reference(monkeypatch):
+    """backend="auto" on CUDA picks the kernel only for fp32/bf16/fp16: fp64 (copy_ from a float64 master,
+    a float64 model) goes to the reference instead of failing in the kernel's dtype check."""
+    import tutorial_lib.quant.mxfp8 as mx
+
+    calls = []
+
+    def kernel(hp, rounding):
+        calls.append(hp.dtype)
+        return quantize_mxfp8(hp, rounding=rounding)
+
+    monkeypatch.setattr(mx, "mxfp8_quantize", kernel)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # pretend: no GPU needed
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
+    for dtype in (torch.bfloat16, torch.float64):
+        bufs = MXFP8Quantizer().quantize_buffers(w.to(dtype))
+        assert torch.equal(bufs["data"], quantize_mxfp8(w.to(dtype))[0])
+    assert calls == [torch.bfloat16]

@@ -72,3 +72,26 @@ def test_bad_names_and_options_fail_clearly():
         recipe("mxfp8", rounding="up")
     with pytest.raises(TypeError):
         make_quantizer("fp8_1x128", block=(1, 64))  # the block is the format's, not an option
+
+
+@pytest.mark.parametrize("name", BLOCK_FORMAT_NAMES)
+def test_new_zeros_refuses_a_shape_the_blocks_cannot_tile(name):
+    q = make_quantizer(name).quantize(torch.randn(256, 256, generator=torch.Generator().manual_seed(3)))
+    block = get_format_info(name).tensor_class.block_dims
+    bad = (256, 256 + 1) if len(block) == 1 else (block[0] + 4, 256)
+    for make in (q.new_zeros, q.new_empty):
+        with pytest.raises(ValueError, match="not a multiple of the"):
+            make(bad)
+    ok = q.new_zeros((2 * block[0] if len(block) == 2 else 3, 256))
+    assert ok.dequantize().eq(0).all() and ok.dequantize().shape == ok.shape
+    assert q.new_empty(0).shape == (0,)  # FSDP2's placeholder for ranks past the last chunk
+
+
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_copy_from_float64_and_integer_sources_quantizes_like_float32(name):
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(4))
+    for src in (w.double(), torch.arange(256 * 256).reshape(256, 256).remainder(7) - 3):
+        q, ref = make_quantizer(name).quantize(w), make_quantizer(name).quantize(w)
+        q.copy_(src)
+        ref.copy_(src.float())
+        assert torch.equal(q.dequantize(), ref.dequantize()), name

@@ -263,6 +263,10 @@ class BlockScaledTensor(QuantizedTensor):
         return tuple(s * cls.pack if i < data.dim() - 1 else s for i, s in enumerate(data.stride()))
 
     def _allocate(self, shape, device, zero: bool, pin_memory: bool = False) -> dict:
+        # new_zeros / new_empty: a shape the blocks cannot tile would give buffers that fit no tensor
+        # (exempt: FSDP2's empty placeholder new_empty(0) for ranks past the last chunk)
+        if len(shape) >= len(self.block_dims) or math.prod(shape):
+            check_block_shape(shape, self.block_dims, what=self._format_name)
         make = torch.zeros if zero else torch.empty
         names = self._buffer_names
         bufs = {

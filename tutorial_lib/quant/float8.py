@@ -176,7 +176,8 @@ class Float8Tensor(QuantizedTensor):
         return values.to(dtype or self.dtype)
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        return super().__repr__()[:-1] + f", scale_inv={self._scale_inv.item():.6g})"
+        s = self._scale_inv
+        return super().__repr__()[:-1] + (", scale_inv=?)" if s.is_meta else f", scale_inv={s.item():.6g})")
 
     # -- writes (used by copy_ and by in-place ops) -------------------------------------------
     def _quantize_without_quantizer(self, hp: torch.Tensor) -> None:

@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import torch
+from tutorial_kernels.fp8_args import SUPPORTED_DTYPES
 from tutorial_kernels.mxfp8_quant import MX_BLOCK, SCALE_ROUNDINGS, mxfp8_dequantize, mxfp8_quantize
 
 from tutorial_lib.quant.block import (
@@ -160,7 +161,7 @@ class MXFP8Quantizer(BlockQuantizer):
     """Makes and refreshes :class:`MXFP8Tensor` s. No state but the scale rounding rule.
 
     ``backend``: "torch" (the reference), "triton" (``tutorial_kernels.mxfp8_quant``, bit-exact
-    with it), or "auto" (Triton on CUDA, the reference elsewhere).
+    with it), or "auto" (Triton for fp32/bf16/fp16 CUDA tensors, the reference elsewhere).
 
     Example::
 
@@ -184,7 +185,9 @@ class MXFP8Quantizer(BlockQuantizer):
         return f"MXFP8Quantizer(rounding={self.rounding!r}, backend={self.backend!r})"
 
     def quantize_buffers(self, hp: torch.Tensor) -> dict:
-        use_triton = self.backend == "triton" or (self.backend == "auto" and hp.is_cuda)
+        # "auto": the kernel for the CUDA dtypes it takes (fp32/bf16/fp16); fp64 goes to the reference
+        auto = self.backend == "auto" and hp.is_cuda and hp.dtype in SUPPORTED_DTYPES
+        use_triton = self.backend == "triton" or auto
         if use_triton and hp.is_contiguous():
             data, scale = mxfp8_quantize(hp, rounding=self.rounding)
         else:

@@ -18,8 +18,8 @@ on it: pass ``global_amax`` (an all-reduced amax) instead of letting each shard 
 Bad and special input (documented results):
   * last dim not a multiple of 16 (this includes odd dims, which cannot be packed) -> ValueError;
   * an all-zero block -> scale byte 0 and zero elements; an all-zero tensor -> global_scale_inv 1.0;
-  * a block whose scale would be below E4M3's smallest subnormal (2**-9) relative to the global
-    scale flushes to zero: NVFP4's dynamic range across blocks is finite;
+  * a block whose scale would be at most half E4M3's smallest subnormal (2**-10) relative to the
+    global scale flushes to zero (above that it rounds to 2**-9): the range across blocks is finite;
   * a NaN/inf in a block -> that block's scale byte is 0x7F (E4M3 NaN), decoding to NaN; if the
     global amax itself is NaN/inf (computed here, not passed in) every block decodes to NaN.
 

@@ -436,6 +436,8 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) 
         dst._copy_raw(src, non_blocking)
         return dst
     hp = src.dequantize() if isinstance(src, QuantizedTensor) else src
+    if hp.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        hp = hp.to(torch.float32)  # copy_ takes any dtype (fp64, integers, bool); quantizers take these three
     if hp.shape != dst.shape:
         hp = hp.expand(dst.shape)  # copy_ broadcasts src to dst; expand raises a clear error otherwise
     dst._quantize_from(hp.to(dst.device, non_blocking=non_blocking))
