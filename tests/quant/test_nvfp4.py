@@ -114,6 +114,15 @@ def test_zero_nan_and_underflow_blocks():
 
 
 @pytest.mark.parametrize("block", [(1, 16), (16, 16)])
+def test_quantize_and_dequantize_never_read_values_back_to_the_host(block):
+    """No data-dependent check inside: on a GPU each would be a device sync per call (every weight, every step),
+    and on the meta device (shapes only, quantized init) it cannot run at all."""
+    data, scale, gsi = quantize_nvfp4(torch.empty(32, 64, device="meta"), block)
+    assert data.is_meta and data.shape == (32, 32) and scale.is_meta and gsi.is_meta
+    assert dequantize_nvfp4(data, scale, gsi, block).shape == (32, 64)
+
+
+@pytest.mark.parametrize("block", [(1, 16), (16, 16)])
 def test_an_empty_tensor_quantizes_like_an_all_zero_one(block):
     """An empty shard (FSDP2 with more ranks than rows) has no amax of its own: it quantizes as an all-zero
     tensor would (global scale 1.0), with empty codes and scales, and round-trips to an empty tensor."""

@@ -123,7 +123,7 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, global_amax: torch.Tensor 
     denom = (e4m3_bytes_to_fp32(scale) * gsi).unsqueeze(-1)
     ok = (denom > 0) & torch.isfinite(denom)
     y = torch.where(ok, xb / torch.where(ok, denom, torch.ones_like(denom)), torch.zeros_like(xb))
-    codes = encode(y.clamp(-E2M1_MAX, E2M1_MAX), "e2m1")
+    codes = encode(y.clamp(-E2M1_MAX, E2M1_MAX), "e2m1", check_values=False)  # y is never NaN: no host sync
     return pack_fp4(from_blocks(codes, dims)).contiguous(), scale.contiguous(), gsi
 
 
@@ -132,7 +132,7 @@ def dequantize_nvfp4(data, scale, global_scale_inv, block=(1, 16), *, dtype=torc
     dims = _check_block(block)
     if data.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise TypeError(f"NVFP4 data and scale are uint8 buffers, got {data.dtype} and {scale.dtype}")
-    values = decode(unpack_fp4(data), "e2m1")
+    values = decode(unpack_fp4(data), "e2m1", check_values=False)  # nibbles are 0..15: no host sync
     check_block_shape(values.shape, dims, what="NVFP4")
     denom = e4m3_bytes_to_fp32(scale) * global_scale_inv.to(torch.float32)
     return (values * expand_scales(denom, dims)).to(dtype)
