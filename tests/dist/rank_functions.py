@@ -74,3 +74,15 @@ def fail_while_others_wait(bad_rank: int, stamp_path: str, seconds: float = 600.
 def cublas_workspace_config() -> str | None:
     """This rank's ``CUBLAS_WORKSPACE_CONFIG`` (the launcher sets it in deterministic CUDA ranks)."""
     return os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+
+
+def raise_while_others_wait_in_gloo(bad_rank: int) -> None:
+    """Rank ``bad_rank`` raises at once; the others fail too, in a gloo barrier that sees its connection reset."""
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"the cause, on rank {bad_rank}")
+    dist.barrier()
+
+
+def echo_args(*args) -> str:
+    """``repr`` of the arguments: a rank function whose arguments must be unpickled in the rank."""
+    return repr(args)

@@ -193,6 +193,24 @@ def test_blocking_stager_dequantizes_and_the_loader_refuses_to_requantize():
             assert out[name].raw_buffers()["scale_inv"].item() == 1.0, name
 
 
+def test_allow_refuses_a_delayed_scaling_target_and_requantizes_a_current_scaling_one():
+    """Initialising a quantized model from plain high-precision weights (what "allow" is for): a current-scaling
+    target takes a scale from the loaded values (within E4M3's rounding); a delayed-scaling target would cast them
+    with its history's scale -- here 1.0 for weights 100x larger than E4M3's 448, every one saturated -- so it is
+    refused, naming the weight."""
+    plain = {"w": 4e4 * _randn((16, 32), 5, torch.float32)}  # amax ~1e5, far above E4M3's max 448
+    with checkpoint_dir() as root:
+        save_checkpoint(plain, root)
+        delayed = {"w": DelayedScaling("e4m3").quantize(torch.zeros(16, 32))}
+        with pytest.raises(RequantizeOnLoadError, match="'w': requantize='allow' into a delayed-scaling weight"):
+            load_checkpoint(delayed, root, requantize="allow")
+        current = load_checkpoint({"w": CurrentScaling("e4m3").quantize(torch.zeros(16, 32))}, root,
+                                  requantize="allow")
+        err = (current["w"].dequantize() - plain["w"]).abs()
+        amax = plain["w"].abs().max()  # E4M3 at scale 448 / amax: half a ULP (2**-4 relative), or half the
+        assert bool((err <= torch.clamp_min(2.0**-4 * plain["w"].abs(), 2.0**-10 * amax / 448)).all())  # subnormal step
+
+
 # ----------------------------------------------------------------------------- pitfall: NaN / Inf after load
 
 
@@ -565,3 +583,12 @@ def test_load_checkpoint_allowlists_the_chunk_globals_and_no_quantizer():
     assert mismatched_keys({"w": fresh.detach()}, {"w": trained.detach()}) == []
     assert torch.equal(fresh.quantizer.amax_history, trained.quantizer.amax_history)
     assert fresh.quantizer.steps == trained.quantizer.steps
+
+
+def test_an_export_to_a_path_that_is_not_a_path_fails_with_the_reason():
+    """The writing rank's error is re-raised on every rank as one RuntimeError naming it (not a crash of the
+    cleanup that left the other ranks waiting for rank 0's verdict)."""
+    from tutorial_lib.dist.export import export_fp32_safetensors
+
+    with pytest.raises(RuntimeError, match="export to None failed on rank 0: TypeError"):
+        export_fp32_safetensors(nn.Linear(4, 4), None)

@@ -14,6 +14,7 @@ from the checkpoints. The tests then check, bitwise:
 Run the GPU cases with ``pytest tests/dist/test_checkpoint_dist.py --nb-device cuda``.
 """
 
+import math
 import os
 import shutil
 
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from tutorial_lib.dist.checkpoint import (
     CheckpointExistsError,
+    NonFiniteCheckpointError,
     QuantizedLoadPlanner,
     SharedScaleError,
     checkpoint_dir,
@@ -263,12 +265,15 @@ def test_contract_an_empty_shard_gets_the_shared_scale(empty_shard_results, vari
 
 def _two_chunk_run(root: str) -> None:
     """An [8, 16] FP8 weight saved on 2 ranks (rows 0-3, 4-7): once with ONE shared scale (16, as
-    training writes it), once with a different scale per rank (a broken checkpoint: 16 and 32)."""
+    training writes it), once with a different scale per rank (a broken checkpoint: 16 and 32), once with
+    the same NaN scale on both ranks (a diverged run)."""
     rank = dist.get_rank()
     mesh, _ = world_mesh()
     full = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
-    for name, scales in (("shared", (16.0, 16.0)), ("disagreeing", (16.0, 32.0))):
-        local = Float8Tensor.from_high_precision(full[4 * rank: 4 * rank + 4], scale=scales[rank])
+    for name, scales in (("shared", (16.0, 16.0)), ("disagreeing", (16.0, 32.0)), ("nan", (math.nan, math.nan))):
+        scale = 16.0 if math.isnan(scales[rank]) else scales[rank]  # NaN: codes of scale 16, then the NaN scale
+        local = Float8Tensor.from_high_precision(full[4 * rank: 4 * rank + 4], scale=scale)
+        local.raw_buffers()["scale_inv"].fill_(1 / scales[rank])
         w = DTensor.from_local(local, mesh, (Shard(0),), run_check=False, shape=full.shape, stride=full.stride())
         save_checkpoint({"w": w}, os.path.join(root, name))
 
@@ -291,6 +296,15 @@ def test_reshard_of_the_same_format_is_a_raw_copy_even_when_requantizing_is_allo
     load_checkpoint(target, os.path.join(root, "shared"), requantize=requantize)
     assert target["w"].raw_buffers()["scale_inv"].item() == 1 / 16  # the checkpoint's scale, not the target's
     assert mismatched_keys(target, {"w": want}) == []  # bytes and scale, bitwise
+
+
+def test_a_nan_scale_on_every_chunk_is_named_by_the_nan_check_not_called_a_disagreement(two_chunks):
+    """NaN != NaN: comparing the chunks' shared scale by value called two equal NaN scales a broken invariant."""
+    root, _ = two_chunks
+    with pytest.raises(NonFiniteCheckpointError) as info:
+        load_checkpoint({"w": Float8Tensor.from_high_precision(torch.zeros(8, 16), scale=1.0)},
+                        os.path.join(root, "nan"))
+    assert set(info.value.keys) == {"w"} and "scale_inv non-finite" in info.value.keys["w"]
 
 
 def test_chunks_that_disagree_on_the_shared_scale_are_refused(two_chunks):

@@ -2,6 +2,7 @@
 
 import contextlib
 import datetime
+import functools
 import os
 import stat
 import subprocess
@@ -87,6 +88,46 @@ def test_a_rank_failing_while_the_others_wait_for_it_fails_the_launch_at_once(tm
     assert after_raise < 2.5, f"{after_raise:.2f} s from the raise to RankFailed"
 
 
+def test_the_rank_that_raised_first_is_named_even_when_the_caller_polls_late(monkeypatch):
+    """Rank 1 raises; rank 0 then fails in its barrier (connection reset). A busy caller (a notebook kernel)
+    that looks only after both exited must still report rank 1's traceback, not rank 0's consequence."""
+    pump = launch_progress.LogTail.pump
+
+    def late_pump(self, final=False):  # the first poll comes after both ranks wrote their tracebacks
+        errors = [p.replace(".log", ".error") for p in self.paths]
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(e) for e in errors) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # and both processes have exited
+        monkeypatch.setattr(launch_progress.LogTail, "pump", pump)
+        return pump(self, final)
+
+    monkeypatch.setattr(launch_progress.LogTail, "pump", late_pump)
+    with pytest.raises(RankFailed) as info:
+        launch(rf.raise_while_others_wait_in_gloo, world_size=2, device="cpu", args=(1,), timeout=120, echo=False)
+    assert info.value.rank == 1, str(info.value)[:400]
+    assert "ValueError: the cause, on rank 1" in str(info.value) and "ranks [0] failed afterwards" in str(info.value)
+
+
+class _OnlyInTheCaller:
+    """Pickles by reference to a module that spawned ranks cannot import (like a class defined in a notebook)."""
+
+
+def test_arguments_a_rank_cannot_unpickle_surface_as_its_traceback(monkeypatch):
+    """multiprocessing unpickles a spawned process's arguments before any launcher code runs there; the
+    traceback then went to the caller's stderr (a notebook kernel's terminal), and the launch said "no Python
+    traceback". The rank must unpickle them itself and report it."""
+    module = type(sys)("caller_only_module")
+    _OnlyInTheCaller.__module__ = module.__name__
+    module._OnlyInTheCaller = _OnlyInTheCaller
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    with pytest.raises(RankFailed) as info:
+        launch(rf.echo_args, world_size=2, device="cpu", args=(_OnlyInTheCaller(),), timeout=120, echo=False)
+    msg = str(info.value)
+    assert "no Python traceback" not in msg
+    assert "No module named 'caller_only_module'" in msg and "importable module" in msg
+
+
 def test_hanging_rank_times_out_and_every_child_is_reaped(tmp_path):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
@@ -115,6 +156,11 @@ def test_function_must_be_importable():
 
     with pytest.raises(ValueError, match="importable module"):
         launch(local_fn, world_size=1, device="cpu")
+
+
+def test_a_partial_of_an_importable_function_runs():
+    out = launch(functools.partial(start_here.allreduce_demo, 3), world_size=1, device="cpu", timeout=120, echo=False)
+    assert torch.equal(out[0].received, torch.arange(3, dtype=torch.float32))
 
 
 def test_too_many_ranks_for_gpus():

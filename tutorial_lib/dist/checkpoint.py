@@ -72,6 +72,7 @@ from tutorial_lib.dist.checkpoint_checks import (
     UnsafeCheckpointError,
     _flatten,
     _raise_if_nonfinite,
+    _same,
     default_safe_globals_only,
     load_bytes_weights_only,
     mismatched_keys,
@@ -287,8 +288,9 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
 
     ``requantize="error"`` (default): a chunk that is not the target's class and meta raises
     :class:`RequantizeOnLoadError`. ``"allow"``: such a chunk is copied into ``target[view]`` (DCP's
-    default, which requantizes through the target's quantizer or scale); a chunk of the target's class
-    and meta is still restored by raw copy, as with ``"error"``.
+    default, which requantizes through the target's quantizer or scale) -- except into a delayed-scaling
+    target, whose scale comes from its history, not from the loaded values (refused); a chunk of the
+    target's class and meta is still restored by raw copy, as with ``"error"``.
     """
 
     def __init__(self, *, requantize: str = "error", **kwargs):
@@ -338,6 +340,12 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             raise RequantizeOnLoadError(f"{fqn!r}: some checkpoint chunks are of the target's format and some are "
                                         "not; refusing to mix raw copies and requantization in one tensor")
         if values is not None:
+            if hasattr(getattr(target, "quantizer", None), "amax_history"):  # delayed scaling
+                raise RequantizeOnLoadError(
+                    f"{fqn!r}: requantize='allow' into a delayed-scaling weight would cast the loaded values with "
+                    "the scale of the model's amax history (from its own past casts, not from these values): "
+                    "values beyond the format's range at that scale saturate without an error. Load into a model "
+                    "whose weights use current scaling, or into an unquantized model and quantize it afterwards.")
             self._requantized.add(fqn)
             view.copy_(values.to(view.device))  # DCP's default: requantizes with the target's quantizer or scale
             return
@@ -351,7 +359,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             # further chunk must agree -- that invariant is what makes the raw byte copy valid.
             if first:
                 dst.copy_(src_bufs[name])
-            elif not torch.equal(dst.cpu(), src_bufs[name]):
+            elif not _same(dst, src_bufs[name]):  # bitwise: a NaN scale on every shard agrees (the NaN check names it)
                 raise SharedScaleError(
                     f"{fqn!r}: checkpoint chunks disagree on the shared {name!r} ({dst.item()!r} vs "
                     f"{src_bufs[name].item()!r}); a per-tensor-scaled tensor must have ONE scale on every shard"

@@ -93,7 +93,7 @@ def export_fp32_safetensors(model: nn.Module, path: str | os.PathLike, optimizer
     """
     values, sources = fp32_values(model, optimizer)
     distributed = dist.is_available() and dist.is_initialized()
-    error = None
+    error = tmp = None
     if not distributed or dist.get_rank(process_group) == 0:
         try:
             meta = {"format": "pt", "exported_by": "tutorial_lib.dist.export", **(metadata or {})}
@@ -102,7 +102,7 @@ def export_fp32_safetensors(model: nn.Module, path: str | os.PathLike, optimizer
             os.replace(tmp, path)  # readers never see a half-written file
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             error = f"{type(exc).__name__}: {exc}"
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, TypeError):  # TypeError: no tmp (a path that is not a path)
                 os.remove(tmp)  # no half-written file left behind
     if distributed:  # every rank learns whether the write worked (a bare barrier would hang on failure)
         box = [error]

@@ -150,12 +150,10 @@ def _rank_main(
     port: int,
     tmp: str,
     collective_timeout: float,
-    fn: Callable,
-    args: tuple,
-    kwargs: dict,
+    call: bytes,
     deterministic: bool = True,
 ) -> None:
-    """Body of one spawned rank. Every exit path ends in ``os._exit``."""
+    """Body of one spawned rank; ``call`` is ``(fn, args, kwargs)`` pickled. Every exit path ends in ``os._exit``."""
     global _RANK_DEVICE
     log = os.open(os.path.join(tmp, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log, 1)
@@ -186,6 +184,7 @@ def _rank_main(
                 # N ranks each running one thread per core oversubscribe the CPU: elementwise ops
                 # were measured ~100x slower on 2 cores. Share the cores out instead.
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        fn, args, kwargs = _load_call(call)
         timeout = datetime.timedelta(seconds=collective_timeout)
         try:
             _inject_rendezvous_fault(rank)
@@ -203,13 +202,31 @@ def _rank_main(
         dist.destroy_process_group()
         code = 0
     except BaseException:  # noqa: B036 - KeyboardInterrupt is how the parent's death reaches us
+        failed_at = time.time_ns()
         with _private_file(os.path.join(tmp, f"rank{rank}.error")) as fh:
             fh.write(traceback.format_exc().encode())
+        os.utime(os.path.join(tmp, f"rank{rank}.error"), ns=(failed_at, failed_at))  # when it raised, for the caller
         traceback.print_exc()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _load_call(call: bytes) -> tuple:
+    """The rank function and its arguments, unpickled here rather than by multiprocessing before
+    ``_rank_main`` runs, so that a failure to import them reaches the caller as this rank's traceback."""
+    try:
+        return pickle.loads(call)  # pickled for this launch by its own caller
+    except Exception as exc:
+        raise RuntimeError("this rank cannot unpickle the function or its arguments: a class or function defined "
+                           "in a notebook or a script run as __main__ cannot be imported by a spawned rank; move "
+                           "it into an importable module") from exc
+
+
+def _name(fn: Callable) -> str:
+    """A rank function's name for messages (a ``functools.partial`` has no ``__qualname__``)."""
+    return getattr(fn, "__qualname__", None) or repr(fn)
 
 
 def _private_file(path: str):
@@ -286,12 +303,13 @@ def _failure_message(
 ) -> RankFailed:
     """The error for the rank that failed first (``first``, as torch's join saw it), with its
     traceback or exit signal and last output; ranks that failed afterwards are named too."""
-    errors = {}
+    errors, raised_at = {}, {}
     for r in range(world_size):
         path = os.path.join(tmp, f"rank{r}.error")
         if os.path.exists(path):
             with open(path) as fh:
                 errors[r] = fh.read()
+            raised_at[r] = os.stat(path).st_mtime_ns  # set by the rank: when it caught the exception
     died = {
         r: p.exitcode for r, p in enumerate(context.processes)
         if p.exitcode not in (0, None) and r not in errors
@@ -299,6 +317,8 @@ def _failure_message(
     if first is None or (first not in errors and first not in died):
         candidates = sorted(died) or sorted(errors)
         first = candidates[0] if candidates else -1
+    if first in errors:  # a caller that polled late sees the ranks that failed because of it exit too: the
+        first = min(errors, key=lambda r: (raised_at[r], r))  # first exception is the cause
     if first in errors:
         msg = f"rank {first} of {world_size} raised:\n{errors[first]}"
     elif first in died:
@@ -354,9 +374,9 @@ def launch(
             f"world_size {world_size} needs one GPU per rank, but only {torch.cuda.device_count()} "
             "GPU(s) are visible; lower world_size or use device='cpu'"
         )
-    if getattr(fn, "__module__", None) in (None, "__main__") or "<locals>" in fn.__qualname__:
+    if getattr(fn, "__module__", None) in (None, "__main__") or "<locals>" in _name(fn):
         raise ValueError(
-            f"{fn.__qualname__} must be defined at the top level of an importable module: spawned "
+            f"{_name(fn)} must be defined at the top level of an importable module: spawned "
             "ranks import it by name, and a function defined in a notebook or script cannot be found there"
         )
     for attempt in range(1 + _RENDEZVOUS_RETRIES):
@@ -365,7 +385,7 @@ def launch(
         except _RendezvousFailed as exc:
             if attempt == _RENDEZVOUS_RETRIES:
                 raise exc.error from None
-            print(f"[launcher] rendezvous failed before {fn.__qualname__} ran ({exc.error.args[0].splitlines()[-1]}); "
+            print(f"[launcher] rendezvous failed before {_name(fn)} ran ({exc.error.args[0].splitlines()[-1]}); "
                   f"retrying with a fresh port ({attempt + 1} of {_RENDEZVOUS_RETRIES} retries)", flush=True)
     raise AssertionError("unreachable")
 
@@ -413,6 +433,7 @@ def _rank_environment(dev: torch.device):
 
 def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout, echo, deterministic) -> list:
     """One attempt: spawn, supervise, collect; see the module docstring for the protocol."""
+    call = pickle.dumps((fn, args, kwargs))  # unpicklable arguments fail here, before any rank starts
     tmp = tempfile.mkdtemp(prefix="tutorial-launch-")  # mode 0700: the ranks' results and logs are private
     try:
         store = _loopback_store(world_size + 1, datetime.timedelta(seconds=collective_timeout))
@@ -421,12 +442,12 @@ def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout,
         raise
     context = finished = None
     try:
-        finished = RanksFinished([os.path.join(tmp, f"rank{r}.result") for r in range(world_size)], fn.__qualname__)
+        finished = RanksFinished([os.path.join(tmp, f"rank{r}.result") for r in range(world_size)], _name(fn))
         tail = LogTail(tmp, world_size, echo, write=finished.note)
         with _rank_environment(dev):
             context = mp.start_processes(
                 _rank_main,
-                args=(world_size, dev.type, store.port, tmp, collective_timeout, fn, args, kwargs, deterministic),
+                args=(world_size, dev.type, store.port, tmp, collective_timeout, call, deterministic),
                 nprocs=world_size, join=False, start_method="spawn",
             )
         deadline = time.monotonic() + timeout
@@ -452,7 +473,7 @@ def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout,
                     for r in running
                 )
                 raise LaunchTimeout(
-                    f"launch of {fn.__qualname__} on {world_size} ranks timed out after {timeout:g} s; "
+                    f"launch of {_name(fn)} on {world_size} ranks timed out after {timeout:g} s; "
                     f"ranks {running} were still running and have been killed. Last output:\n{last}"
                 )
         tail.pump(final=True)
