@@ -369,10 +369,10 @@ def fused_adamw_(
     tables (``.amax`` holds the FP8 amaxes). The optimizer keeps its tables between steps
     instead; this functional form is for tests and the lesson.
     """
-    tables = build_tables(weights, exp_avgs, exp_avg_sqs, grad_dtype=grads[0].dtype, outs=outs,
-                          out_kind=out_kind, scale_invs=scale_invs, fp8_format=fp8_format, block=block)
     if len(grads) != len(weights) or len(steps) != len(weights):
         raise ValueError("need one grad and one step count per tensor")
+    tables = build_tables(weights, exp_avgs, exp_avg_sqs, grad_dtype=grads[0].dtype if grads else torch.float32,
+                          outs=outs, out_kind=out_kind, scale_invs=scale_invs, fp8_format=fp8_format, block=block)
     addresses = []
     for i, g in enumerate(grads):
         if g.dtype != tables.g_dtype or g.numel() != tables.numels[i] or g.device != weights[i].device:

@@ -368,3 +368,12 @@ def test_host_to_device_copies_arrive_in_order():
         kt.copy_to_device(torch.full((2, 5), float(i)) + torch.arange(5.0), out)
         seen.append(out.clone())  # queued behind the copy on the same stream
     assert [x[1, 3].item() for x in seen] == [i + 3.0 for i in range(7)]
+
+
+def test_functional_step_names_empty_and_mismatched_lists():
+    """``fused_adamw_`` with no tensors or a missing grad: an error that says so, not an IndexError."""
+    z = torch.zeros(8, device=DEV)
+    with pytest.raises(ValueError, match="at least one tensor"):
+        k.fused_adamw_([], [], [], [], steps=[], lr=1e-3)
+    with pytest.raises(ValueError, match="one grad and one step count per tensor"):
+        k.fused_adamw_([z], [], [z.clone()], [z.clone()], steps=[1], lr=1e-3)

@@ -157,3 +157,23 @@ def test_captured_replays_equal_eager_steps_bit_for_bit():
     pb[0].grad = pb[0].grad.clone()
     with pytest.raises(RuntimeError, match="moved since capture"):
         b.step()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_replay_refuses_betas_or_eps_changed_since_capture():
+    """betas and eps are launch arguments, frozen in the graph: a scheduler that moves beta1
+    (OneCycleLR(cycle_momentum=True)) must not be ignored silently; recapturing picks them up."""
+    p = _params(8)
+    opt = FusedAdam(p, **HP, master_weights=True, capturable=True)
+    for q in p:
+        q.grad = torch.ones(q.shape, dtype=q.dtype, device=DEV)
+    opt.step()
+    opt.capture()
+    opt.step()
+    opt.param_groups[0]["betas"] = (0.8, 0.999)
+    with pytest.raises(RuntimeError, match="betas or eps changed since capture"):
+        opt.step()
+    opt.release_graph()
+    opt.step()
+    opt.capture()
+    opt.step()

@@ -67,7 +67,8 @@ and can be recorded inside your own ``torch.cuda.graph`` (with static gradients)
 optimizer record its own step: :meth:`FusedAdam.capture` records one step in a CUDA graph, and
 every later ``step()`` replays it (a few microseconds of host time instead of a pass over every
 parameter). A replayed step reads the gradients where they were at capture: keep them in place
-(``zero_grad(set_to_none=False)``); a changed ``lr`` (float or tensor) is picked up per step.
+(``zero_grad(set_to_none=False)``); a changed ``lr`` (float or tensor) is picked up per step, changed
+``betas`` or ``eps`` make the replay raise (capture again).
 
 Example::
 
@@ -142,7 +143,8 @@ class FusedAdam(torch.optim.Optimizer):
             parameters; False: one per parameter (and no fused cast: the contrast lesson 12 measures).
 
     The kernel tables are cached per group. They are rebuilt automatically when parameters get
-    new storage (``p.data = ...``, FSDP2 lazy init), on ``load_state_dict`` and ``add_param_group``.
+    new storage (``p.data = ...``, FSDP2 lazy init), on ``load_state_dict`` and ``add_param_group``, and
+    when ``param_groups`` or a group's ``params`` list is edited in place (reordered, appended to, replaced).
     After writing new VALUES into parameters outside the optimizer (``model.load_state_dict``),
     call :meth:`reseed_master_weights`, or the next step continues from the old masters.
     """
@@ -270,8 +272,8 @@ class FusedAdam(torch.optim.Optimizer):
     def _plan(self, gi: int, group: dict) -> Plan:
         """The group's cached plan; built (creating missing state) on first use or after new storage."""
         plan = self._plans.get(gi)
-        if plan is None or plan.stale():
-            # first step, or a parameter got new storage (p.data = ..., FSDP2 lazy init): rebuild
+        if plan is None or not plan.built_for(group) or plan.stale():
+            # first step, param_groups edited, or a parameter got new storage (p.data = ..., FSDP2 lazy init)
             plan = self._plans[gi] = Plan(group, self._init_state)
         return plan
 
@@ -280,9 +282,9 @@ class FusedAdam(torch.optim.Optimizer):
         plan = self._plan(gi, group)
         if not plan.params:
             return None
-        grads, addresses = plan.grads_and_addresses()
+        grads, addresses, dtensor_grads = plan.grads_and_addresses()
         if addresses != plan.last_grad_addresses:  # one C-level list comparison
-            plan.refresh_grads(grads, addresses)
+            plan.refresh_grads(grads, addresses, dtensor_grads)
         if not plan.any_active:
             return None
         if plan.capturable:
@@ -296,7 +298,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _launch(self, plan: Plan, grads: list, group: dict) -> None:
         """The device half of a step (what :meth:`capture` records for capturable plans)."""
-        beta1, beta2 = group["betas"]
+        beta1, beta2 = map(float, group["betas"])  # torch.optim also takes 0-d tensors
         if plan.capturable:  # scalars from the device step counters and lr; the kernels read the decay there
             plan.write_step_scalars_on_device()
             lr, wd = 0.0, 0.0
@@ -349,22 +351,27 @@ class FusedAdam(torch.optim.Optimizer):
                                               "group are not captured (collectives); use the eager step")
             p = self._prepare(gi, group)
             if p is not None:
-                prepared.append((p, group, plan.last_grad_addresses))
+                prepared.append((p, group, plan.last_grad_addresses, (tuple(map(float, group["betas"])), group["eps"])))
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
-            for (plan, grads), group, _ in prepared:
+            for (plan, grads), group, _, _ in prepared:
                 self._launch(plan, grads, group)
         torch.cuda.synchronize()
         self._graph = graph
-        self._graph_groups = [(plan, group, addrs) for (plan, _), group, addrs in prepared]
+        self._graph_groups = [(plan, group, addrs, hyper) for (plan, _), group, addrs, hyper in prepared]
 
     def release_graph(self) -> None:
         """Forget the captured step: the next :meth:`step` runs eagerly again."""
         self._graph = None
 
     def _replay(self) -> None:
-        for plan, group, addrs in self._graph_groups:
+        for plan, group, addrs, hyper in self._graph_groups:
+            if (tuple(map(float, group["betas"])), group["eps"]) != hyper:  # launch arguments, frozen in the graph
+                raise RuntimeError(f"betas or eps changed since capture() (now {group['betas']}, {group['eps']}; "
+                                   f"captured {hyper}): call release_graph() or capture() again")
+            if not plan.built_for(group):
+                raise RuntimeError("a param group's params changed since capture(): call rebuild() and capture() again")
             for i in (0, len(plan.params) - 1):
                 g = plan.params[i].grad
                 g = None if g is None else local_tensor(g)
@@ -400,7 +407,7 @@ class FusedAdam(torch.optim.Optimizer):
         have = [j for j, i in enumerate(b.members) if grads[i] is not None]
         if len(have) == len(b.members):
             record_amaxes(b.quantizers, amax)  # into the histories: batched, not ~15 small ops per parameter
-        else:
+        elif have:  # none: no grad in this bucket this step (e.g. an unused layer), nothing to record
             record_amaxes([b.quantizers[j] for j in have], amax[torch.tensor(have, device=amax.device)])
 
     @staticmethod
@@ -449,9 +456,19 @@ class FusedAdam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load hyper-parameters via torch, state ourselves: torch's loader casts every floating
         state tensor to the PARAMETER's dtype, which would turn fp32 masters and moments of bf16
-        (or nominally-bf16 quantized) parameters into bf16."""
+        (or nominally-bf16 quantized) parameters into bf16. Load hooks run as in torch: the pre-hooks
+        on the whole dict first, the post-hooks once the state is in place."""
+        pre, post = self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks
+        state_dict = state_dict.copy()
+        for hook in pre.values():
+            result = hook(self, state_dict)
+            state_dict = state_dict if result is None else result
         saved_state = state_dict["state"]
-        super().load_state_dict({**state_dict, "state": {}})
+        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
+        try:  # the hooks ran above / run below, not inside torch's loader
+            super().load_state_dict({**state_dict, "state": {}})
+        finally:
+            self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = pre, post
         saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
         id_map = dict(zip(saved_ids, params))
@@ -466,6 +483,8 @@ class FusedAdam(torch.optim.Optimizer):
                 for key, val in v.items()
             }
         self.rebuild()
+        for hook in post.values():
+            hook(self)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)

@@ -7,12 +7,13 @@ its dtype alone. Parameters of one route and dtype share a :class:`Bucket`: one 
 built once; per step it answers, each with a few ``map`` passes over the parameters with C-level
 callables (no Python bytecode per parameter)::
 
+    built_for(group)       still this group and its params list (param_groups not edited)? O(1)
     stale()                new storage since the tables were built? -> build a new Plan
                              plain: p.data_ptr() per parameter    DTensor: same _local_tensor object?
                            a parameter left out (frozen at build time) got a grad? -> build a new Plan
     grads_and_addresses()  p.grad (torch-function off) [-> ._local_tensor] -> .data_ptr()
     refresh_grads()        only if the addresses changed: bulk-validate (type, dtype, size, device,
-                           contiguity), write each bucket's grad row (one non-blocking copy)
+                           contiguity; DTensor grads: placements), write each bucket's grad row
     write_step_scalars()   every parameter at the same step: two Python floats as torch.optim.AdamW
                            computes them, two fill_ per bucket; else a per-tensor [2, n] table
                            capturable plans: one small kernel per bucket advances the DEVICE step
@@ -176,6 +177,7 @@ _GRAD = operator.attrgetter("grad")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE_INDEX = torch.Tensor.get_device  # an int (-1: CPU): ~2x cheaper than building torch.device objects
 _LOCAL_TENSOR = operator.attrgetter("_local_tensor")  # DTensor's local shard: a plain attribute read
+_PLACEMENTS = operator.attrgetter("_spec.placements")  # a DTensor's placements: plain attribute reads
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _PLAIN_SET = frozenset(_PLAIN)
 
@@ -227,6 +229,7 @@ class Plan:
         # torch.optim steps a parameter whenever it has a grad. The plan covers the parameters that
         # may get one (requires_grad, or a grad already set); the others are watched by stale(), so
         # a parameter unfrozen later joins at the step it first has a grad (with fresh state, as in torch).
+        self.group, self.group_params, self.n_group_params = group, group["params"], len(group["params"])
         covered = list(map(planned_param, group["params"]))
         self.params = list(itertools.compress(group["params"], covered))
         self.left_out = [p for p, c in zip(group["params"], covered) if not c]
@@ -239,6 +242,8 @@ class Plan:
         # plain and mixed plans compare storage addresses per step; DTensor plans compare shard objects
         self.signature = self.storage_signature() if self.kind != "dtensor" else None
         self.grad_dtypes = [t.dtype for t in locs]
+        self.placements = None if self.kind == "plain" else [_PLACEMENTS(p) if isinstance(p, DTensor) else None
+                                                             for p in self.params]
         self.numels = [t.numel() for t in locs]
         devices = {t.device for t in locs}
         if len(devices) > 1:
@@ -262,7 +267,8 @@ class Plan:
             self.active_device = torch.zeros(len(self.params), device=self.device)
             self.group_scalars = torch.zeros(2, dtype=torch.float64, device=self.device)  # lr, weight_decay
             self.written_scalars: tuple | None = None
-            self.powers = bias_correction_table(*group["betas"], self.device)
+            self.betas = tuple(map(float, group["betas"]))
+            self.powers = bias_correction_table(*self.betas, self.device)
         for i, s in enumerate(states):
             s["step"] = self.steps[i]
 
@@ -319,6 +325,12 @@ class Plan:
                 bucket.device_index = index.to(self.device)
             self.buckets.append(bucket)
 
+    def built_for(self, group: dict) -> bool:
+        """Still ``group`` and its unedited ``params`` list? (Else: groups reordered, a list replaced or appended
+        to.) Identity and length only: after replacing one entry in place, call ``FusedAdam.rebuild()``."""
+        params = group["params"]
+        return self.group is group and self.group_params is params and self.n_group_params == len(params)
+
     def locals(self) -> list[torch.Tensor]:
         if self.kind == "plain":
             return self.params
@@ -356,23 +368,24 @@ class Plan:
         with torch._C.DisableTorchFunctionSubclass():  # p.grad on a DTensor: skip __torch_function__
             return not all(map(operator.is_, map(_GRAD, self.left_out), itertools.repeat(None)))
 
-    def grads_and_addresses(self) -> tuple[list, list[int]]:
-        """This step's local grads and their addresses (-1: no grad). Fast path: every parameter has
-        a grad (maps over C callables); a ``None`` grad makes a map raise and takes the general path."""
+    def grads_and_addresses(self) -> tuple[list, list[int], list | None]:
+        """This step's local grads, their addresses (-1: no grad), the DTensor grads (DTensor plans' fast path:
+        every parameter has a grad, maps over C callables; a ``None`` grad makes a map raise: general path)."""
         if self.kind != "mixed":
             try:
                 # p.grad on a tensor SUBCLASS (DTensor) first asks __torch_function__ whether it wants
                 # the attribute read (~2.5x the cost of the read); switched off, the same objects come back
                 with torch._C.DisableTorchFunctionSubclass():
                     if self.kind == "dtensor":  # None has no _local_tensor: AttributeError
-                        grads = list(map(_LOCAL_TENSOR, map(_GRAD, self.params)))
+                        dgrads = list(map(_GRAD, self.params))
+                        grads = list(map(_LOCAL_TENSOR, dgrads))
                     else:
-                        grads = list(map(_GRAD, self.params))
-                return grads, list(map(_DATA_PTR, grads))  # None is no Tensor: TypeError
+                        dgrads, grads = None, list(map(_GRAD, self.params))
+                return grads, list(map(_DATA_PTR, grads)), dgrads  # None is no Tensor: TypeError
             except (AttributeError, TypeError):
                 pass
         grads = self.local_grads()
-        return grads, [-1 if g is None else g.data_ptr() for g in grads]
+        return grads, [-1 if g is None else g.data_ptr() for g in grads], None
 
     def local_grads(self) -> list[torch.Tensor | None]:
         grads = [p.grad for p in self.params]
@@ -399,7 +412,20 @@ class Plan:
         if g.numel():
             raw_address(g, f"parameter {i} grad")  # wrapper (quantized) grads and strided grads raise
 
-    def refresh_grads(self, grads: list, addresses: list[int]) -> None:
+    def check_grad_placements(self, grads: list | None = None) -> None:
+        """DTensor grads must be placed like their parameters: the kernel reads local shards element by
+        element, so a ``Partial`` grad (a pending sum) or another sharding would update with wrong numbers.
+        ``grads``: every parameter's DTensor grad (one C-level pass); None: read and checked one by one."""
+        if grads is None:
+            grads = [p.grad for p in self.params]
+        elif list(map(_PLACEMENTS, grads)) == self.placements:
+            return
+        for i, (g, placements) in enumerate(zip(grads, self.placements)):
+            if g is not None and (got := _PLACEMENTS(g) if isinstance(g, DTensor) else None) != placements:
+                raise ValueError(f"parameter {i}: grad placements {got} differ from the parameter's {placements}; "
+                                 "redistribute the grad (grad.redistribute(p.device_mesh, p.placements)) first")
+
+    def refresh_grads(self, grads: list, addresses: list[int], dtensor_grads: list | None = None) -> None:
         """New gradient tensors: validate them and rewrite every bucket's grad row (host work is a
         few C-level passes when every parameter has a grad -- the case of every training step that
         frees its grads -- and a Python loop only when some are missing or one is wrong)."""
@@ -407,6 +433,8 @@ class Plan:
             for i, g in enumerate(grads):
                 if g is not None:
                     self.check_grad(i, g)
+        if self.placements is not None:
+            self.check_grad_placements(dtensor_grads)
         t = _int64_cpu(addresses)
         has_grad = t != -1
         # 0 = "no grad" for the kernel; an empty grad gets 1 (never dereferenced) so it still counts
@@ -446,8 +474,11 @@ class Plan:
 
     def write_group_scalars(self, group: dict) -> None:
         """Capturable plans: put the group's lr and weight decay on the device when they changed
-        (a Python float: one fill, no sync; a tensor lr, e.g. from a scheduler: copied every step)."""
-        lr, wd = group["lr"], group["weight_decay"]
+        (a Python float: one fill, no sync; a tensor lr, e.g. from a scheduler: copied every step);
+        new betas: a new bias correction table."""
+        lr, wd, betas = group["lr"], group["weight_decay"], tuple(map(float, group["betas"]))
+        if betas != self.betas:  # e.g. OneCycleLR(cycle_momentum=True) moves beta1 every step
+            self.powers, self.betas = bias_correction_table(*betas, self.device), betas
         if isinstance(lr, torch.Tensor):
             self.group_scalars[0].copy_(lr.reshape(()), non_blocking=True)
             lr = None
