@@ -408,7 +408,8 @@ class FusedAdam(torch.optim.Optimizer):
         if len(have) == len(b.members):
             record_amaxes(b.quantizers, amax)  # into the histories: batched, not ~15 small ops per parameter
         elif have:  # none: no grad in this bucket this step (e.g. an unused layer), nothing to record
-            record_amaxes([b.quantizers[j] for j in have], amax[torch.tensor(have, device=amax.device)])
+            # gathered by views: an index tensor built from `have` would be a blocking host-to-device copy
+            record_amaxes([b.quantizers[j] for j in have], torch.stack([amax[j] for j in have]))
 
     @staticmethod
     def _fp8_current_step(b: Bucket, hyper: torch.Tensor, grads: list, kw: dict) -> None:

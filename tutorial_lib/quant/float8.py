@@ -456,7 +456,8 @@ def record_amaxes(quantizers: list, amaxes: torch.Tensor) -> None:
         for q in qs:
             q._to(amaxes.device)
         hist = torch.roll(torch.stack([q.amax_history for q in qs]), 1, dims=1)
-        hist[:, 0] = amaxes[torch.tensor(js, device=amaxes.device)] if len(js) != len(amaxes) else amaxes
+        # a subset: gathered by views (an index tensor built from js would be a blocking host-to-device copy)
+        hist[:, 0] = torch.stack([amaxes[j] for j in js]) if len(js) != len(amaxes) else amaxes
         h = hist[:, 0] if algo == "most_recent" else hist.amax(dim=1)
         new = scale_from_amax(h, fmt, pow2_scales=pow2_scales, amax_eps=amax_eps, margin=margin)
         scales = torch.where(torch.isfinite(h) & (h > 0), new, torch.stack([q.scale for q in qs]))
