@@ -16,7 +16,7 @@ step (fp32 masters) + ``zero_grad(set_to_none=True)``, eager (no ``torch.compile
                                    all-gather) -- a peer, recorded only where ``import torchao`` works
 
 Per variant: median step over ``--reps`` after warm-up, max over ranks; model TFLOPS (6 x params x
-tokens per rank x 2 / step); peak memory per rank (CUDA); then ``--profile-steps`` profiled steps: FP8
+tokens per rank x ranks / step); peak memory per rank (CUDA); then ``--profile-steps`` profiled steps: FP8
 casts, transposed codes, the three FP8 GEMMs, all-gathers, reduce-scatters, optimizer step (device time
 on CUDA; host time on the CPU -- a --quick run's numbers are smoke numbers of the CPU emulation and
 the Triton interpreter, not a measurement of anything a GPU does).

@@ -52,6 +52,8 @@ def test_quick_run_writes_a_results_file(script, tmp_path):
         assert all(ms > 0 for ms in case["peers"].values())
     if script == "bench_adam.py":  # the host-bound 2,000-tensor case is timed from an idle GPU, host work in full
         assert [c.get("timing") for c in doc["cases"][:2]] == ["kernels", "latency"]
+    if script == "bench_adam_fsdp2.py":  # latencies: never pooled with the runs do_bench timed
+        assert doc["cases"][0]["timing"] == "latency"
 
 
 @pytest.mark.distributed

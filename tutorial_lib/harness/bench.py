@@ -266,9 +266,9 @@ def alternating_case(name: str, ours: Callable[[], object], peers: dict[str, Cal
     (:func:`time_rounds`): medians as ``ours_ms`` / ``peers``, plus ``ours_range_ms`` and
     ``peers_range_ms`` ([min, max] over the rounds), ``rounds_ms`` (every round) and
     ``best_peer_over_ours`` (median, min, max of the round-by-round ratio best peer / ours).
-    ``warmup``, ``rep``: CPU repetitions per timing (see :func:`time_rounds`). ``latency=True``: every
-    timing is a :func:`latency_ms` (host work in full), recorded as ``"timing": "latency"`` (else
-    ``"kernels"``: :func:`bench_ms`)."""
+    ``warmup``, ``rep``: repetitions per timing on the CPU, and on CUDA with ``latency=True`` (``do_bench``
+    picks its own; see :func:`time_rounds`). ``latency=True``: every timing is a :func:`latency_ms` (host
+    work in full), recorded as ``"timing": "latency"`` (else ``"kernels"``: :func:`bench_ms`)."""
     if "ours" in peers:
         raise ValueError("'ours' is reserved for our own timing; rename the peer")
     times = time_rounds({"ours": ours, **peers}, rounds, warmup=warmup, rep=rep, latency=latency)

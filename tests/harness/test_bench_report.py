@@ -1,0 +1,43 @@
+"""The README table (``harness.bench_report``) reads the rounds every benchmark records, whatever ours is called."""
+
+from __future__ import annotations
+
+import json
+
+from tutorial_lib.harness.bench import case, case_from_rounds
+from tutorial_lib.harness.bench_report import results_markdown
+
+
+def _row(path, c: dict, stem: str = "kern") -> list[str]:
+    doc = {"machine": "GPU x1", "torch": "t", "triton": "tr", "date": "2026-01-01T00:00:00", "copy_GBps": 100.0,
+           "cases": [c]}
+    (path / f"{stem}-GPU_x1-20260101T000000.json").write_text(json.dumps(doc))
+    row = next(line for line in results_markdown(path).splitlines() if line.startswith(f"| {stem} "))
+    return [cell.strip() for cell in row.split("|")[1:-1]]
+
+
+def test_gemm_rounds_recorded_under_ours_name_give_the_ranges(tmp_path):
+    # bench_fp8_gemm records rounds_ms keyed by its own name ("triton blockwise (ours)"), not "ours"
+    rounds = {"mine": [1.0, 2.0, 3.0], "peer": [2.0, 2.0, 2.0]}
+    c = {**case("gemm", 2.0, peers={"peer": 2.0}, nbytes=1, copy_GBps=100.0), "rounds_ms": rounds, "tflops": 5.0}
+    cells = _row(tmp_path, c)
+    assert cells[2] == "2.000 (1.000-3.000)"        # ours over the rounds, not the median alone
+    assert cells[4] == "1.00x (0.67x-2.00x)"        # peer / ours round by round: 2/1, 2/2, 2/3
+
+
+def test_headline_ratio_is_the_median_of_the_paired_rounds(tmp_path):
+    # medians 2 and 2 (ratio 1.00), but round by round the peer / ours ratios are 3, 0.5, 0.667: median 0.667
+    c = case_from_rounds("alt", {"ours": [1.0, 2.0, 3.0], "peer": [3.0, 1.0, 2.0]}, nbytes=1, copy_GBps=100.0)
+    assert c["best_peer_over_ours"]["median"] == 0.6667
+    assert _row(tmp_path, c)[4] == "0.67x (0.50x-3.00x)"
+
+
+def test_runs_of_another_size_are_not_pooled(tmp_path):
+    # the same case name at another size (bench_fp8_cast.py --n): other bytes, another measurement
+    for date, nbytes, ms in (("2026-01-01T00:00:00", 3 << 20, 0.01), ("2026-01-02T00:00:00", 3 << 30, 1.0)):
+        doc = {"machine": "GPU x1", "torch": "t", "triton": "tr", "date": date, "copy_GBps": 100.0,
+               "cases": [case("cast", ms, peers={"peer": 2 * ms}, nbytes=nbytes, copy_GBps=100.0)]}
+        (tmp_path / f"kern-GPU_x1-{date[:10]}.json").write_text(json.dumps(doc))
+    row = next(line for line in results_markdown(tmp_path).splitlines() if line.startswith("| kern "))
+    cells = [cell.strip() for cell in row.split("|")[1:-1]]
+    assert cells[2] == "1.000" and cells[6] == "1"
