@@ -24,7 +24,7 @@ Overflow semantics (``saturate``):
   clip to +-max, NaN stays NaN.
 * ``saturate=False`` -- IEEE-style overflow: E5M2 overflows to +-inf (this is what torch's
   plain ``.to(torch.float8_e5m2)`` does); E4M3 has no inf, so an overflow becomes NaN (what
-  c10's scalar conversion does for ``|x| > 464``).
+  c10's scalar conversion of torch 2.11 does for ``|x| > 464``; torch 2.13's saturates instead).
 * default (``saturate=None``) -- ``FormatSpec.saturates``, i.e. the *installed* torch's CPU cast,
   probed at import (:data:`TORCH_E4M3_CAST_SATURATES`): it changed between releases. Measured:
   torch 2.13 CPU maps 1e6 and inf to 448 (saturates); torch 2.11 maps them to NaN. E5M2 never
