@@ -46,7 +46,7 @@ Design choices, each for a reason ``tests/dist/test_launcher.py`` exercises:
   executed notebook for launches under 30 s).
 * **A failing rank fails the launch at once**, with its traceback: torch's ``ProcessContext.join``
   sees the exit, and the other ranks -- most likely waiting for it in a collective, which on NCCL
-  never notices a dead peer -- get half a second before SIGTERM and again before SIGKILL.
+  ends only at the collective timeout -- get half a second before SIGTERM and again before SIGKILL.
 * **A short collective timeout** (``collective_timeout``) turns a mismatched collective into
   an error in seconds instead of gloo's default 30 minutes, and the overall ``timeout`` kills
   ranks that hang outside collectives.
@@ -401,8 +401,9 @@ class _RendezvousFailed(Exception):
 # After the first rank fails, how long the others get to end by themselves (e.g. to write their own
 # traceback when they failed at the same moment) before SIGTERM, and again before SIGKILL. The others
 # are most likely waiting in a collective for the failed rank: gloo notices the closed connection at
-# once, but a rank in an NCCL collective (or any call that never notices a dead peer) waits until it
-# is killed, so this bounds the time from a rank's failure to RankFailed (torch's own default: 30 s).
+# once, but a rank in an NCCL collective waits until the collective timeout (NCCL's watchdog then ends
+# it; any call that never notices a dead peer waits until killed), so this bounds the time from a rank's
+# failure to RankFailed (torch's own default: 30 s).
 _FAILURE_GRACE_S = 0.5
 
 # gloo's full-mesh connect occasionally fails under heavy load on one machine ("connectFullMesh
