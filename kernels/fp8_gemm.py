@@ -79,6 +79,8 @@ scales, which its warp-specialized configs read faster.
 Shape rules (ValueError naming the rule otherwise): uint8 codes and fp32 scales, ``K % 128 == 0``,
 ``N % 128 == 0``, ``a_scale_inv`` [M, K/128] and ``b_scale_inv`` [N/128, K/128] (``b_block=(1, 128)``:
 [N, K/128]; any strides), ``a`` and ``b`` row-major contiguous; M is arbitrary (ragged rows are masked).
+Each k-block multiplies its dot by ``sa * sb``, formed first: scales whose product overflows fp32 give inf
+(NaN for a zero block sum) where the exact result is finite.
 
 Example::
 

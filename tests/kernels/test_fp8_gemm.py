@@ -113,6 +113,23 @@ def test_exact_block_sums_leave_only_the_fp32_promotion_error(b_block):
     print(f"exact block sums: max |err| / bound = {ratio:.3g}")
 
 
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)], ids=["b_tiles", "b_rows"])
+def test_scale_products_below_fp32_normals_stay_within_bound(b_block):
+    """Tiny (fp32-normal) scales whose product sa * sb is an fp32 subnormal (~2**-140): the kernel rounds that
+    product to a multiple of 2**-149 before multiplying a block sum of up to 128 * 448**2, an absolute error
+    the bound's underflow term must cover (relative to the tiny outputs it is ~2**-10, far above fp32's)."""
+    g = torch.Generator().manual_seed(45)
+    M, N, K = 24, 128, 256
+    a = torch.randint(0, 256, (M, K), generator=g, dtype=torch.uint8)
+    b = torch.randint(0, 256, (N, K), generator=g, dtype=torch.uint8)
+    a[(a & 0x7F) == 0x7F], b[(b & 0x7F) == 0x7F] = 0, 0  # no NaN codes
+    sa = 1.3 * 2.0**-100 * (1 + torch.rand(M, K // 128, generator=g))
+    sb = 1.7 * 2.0**-40 * (1 + torch.rand(N // b_block[0], K // 128, generator=g))
+    a, sa, b, sb = (t.to(DEV) for t in (a, sa, b, sb))
+    out = blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32, config=CFG, b_block=b_block)
+    print(f"subnormal scale products: max |err| / bound = {_check(out, a, sa, b, sb):.3g}")
+
+
 def test_nan_block_poisons_only_its_rows():
     x = torch.randn(20, 256)
     x[3, 200] = float("nan")  # quantizes to a NaN scale and NaN codes in block (3, 1)

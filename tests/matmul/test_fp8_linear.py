@@ -430,6 +430,29 @@ def test_swap_linears_refuses_what_it_cannot_run_and_keeps_module_state():
     assert swap_linears(mha, "hybrid") == [] and type(mha[0].out_proj) is not Fp8Linear
 
 
+def test_swap_linears_swaps_a_linear_registered_twice_in_one_parent():
+    """nn.Sequential(lin, act, lin) shares one linear under two names of ONE parent: both become the same
+    Fp8Linear (named_children yields a repeated module once; the second name kept the nn.Linear)."""
+    lin = nn.Linear(32, 32)
+    m = nn.Sequential(lin, nn.ReLU(), lin)
+    assert swap_linears(m, "hybrid") == ["0", "2"]
+    assert isinstance(m[0], Fp8Linear) and m[2] is m[0] and m[0].weight is lin.weight
+
+
+@pytest.mark.parametrize("kind", ["hybrid", "blockwise"])
+def test_a_bias_only_gradient_runs_no_gemm_and_needs_no_token_multiple(kind):
+    """Weight frozen, x without grad (bias-only fine-tuning): backward sums dy and runs no FP8 GEMM. 64 tokens are
+    not a multiple of the blockwise wgrad's 128, which only a weight gradient needs (no quantize of dy.T)."""
+    k, n, m = SHAPES[kind][2], SHAPES[kind][3], 64
+    layer = Fp8Linear(k, n, recipe=kind)
+    layer.weight.requires_grad_(False)
+    x, g = torch.randn(m, k), torch.randn(m, n)
+    calls = dict(GEMM_CALLS)
+    layer(x).backward(g)
+    assert sum(GEMM_CALLS.values()) - sum(calls.values()) == 1  # the fprop GEMM only
+    assert torch.equal(layer.bias.grad, g.sum(0)) and layer.weight.grad is None
+
+
 def test_a_second_derivative_through_fp8_linear_is_refused_not_zero():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(0)

@@ -343,7 +343,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         w = (w_data, w_scale) if want_x else None
         x = None if not want_w else (x_t_data, x_scale) if x_t_data is not None else _rows_of(x_hp, "x")
         backward = _hybrid_backward if ctx.recipe.kind == "hybrid" else _blockwise_backward
-        dx, dw = backward(ctx, g2, w, x)
+        dx, dw = backward(ctx, g2, w, x) if (w is not None or x is not None) else (None, None)  # bias alone: no GEMM
         db = g2.sum(0) if (ctx.has_bias and want_b) else None
         if dx is not None and len(ctx.x_shape) != 2:
             dx = dx.reshape(ctx.x_shape)
@@ -474,7 +474,7 @@ def swap_linears(model: nn.Module, recipe: Fp8Recipe | str = "hybrid", *, select
     for parent_name, parent in list(model.named_modules()):
         if isinstance(parent, nn.MultiheadAttention):  # uses out_proj.weight in F.multi_head_attention_forward
             continue
-        for child_name, child in parent.named_children():
+        for child_name, child in parent._modules.items():  # every attribute: named_children skips repeats
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             if id(child) not in picked:  # a shared linear: selected (and checked) once, swapped everywhere
                 if not isinstance(child, nn.Linear) or isinstance(child, Fp8Linear):
