@@ -17,6 +17,7 @@ import torch.distributed as dist
 import tutorial_lib.matmul.fp8_linear as fp8_linear_mod
 from tutorial_lib.harness.profiling import count_host_syncs
 from tutorial_lib.matmul.fp8_linear import RECIPES, Fp8Linear, Fp8Recipe, fp8_linear, swap_linears
+from tutorial_lib.quant import fallback
 from tutorial_lib.quant.float8 import DelayedScaling, Float8Tensor, record_amaxes
 from tutorial_lib.quant.registry import FORMAT_NAMES, make_quantizer
 from tutorial_lib.train.data import TextData
@@ -185,6 +186,7 @@ def test_a_sync_inside_a_quantized_tensors_handler_is_seen_once(monkeypatch):
         return dequantize(self, dtype)
 
     monkeypatch.setattr(Float8Tensor, "dequantize", reading)
+    monkeypatch.setattr(fallback, "_warned", set())  # the fallback warns once per process: a fresh memory here
     with count_host_syncs() as syncs, pytest.warns(UserWarning, match="dequantized a Float8Tensor"):
         torch.add(q, 1)  # no handler: QuantizedTensor.__torch_dispatch__ dequantizes (the fallback)
     assert syncs.total == 1 and "test_host_syncs.py" in syncs.events[0].where[-1], syncs.report()
