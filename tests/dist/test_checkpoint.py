@@ -296,6 +296,24 @@ def test_checkpoint_chunks_carry_no_quantizer_and_no_extra_attributes():
     assert b"Float8Tensor" in blob
 
 
+def test_a_shard_view_is_saved_without_the_rest_of_its_storage():
+    """A shard that is a view of a larger buffer (FSDP2's shard of its padded buffer) is written as its own
+    bytes: torch.save pickles a view's WHOLE storage, which would put every rank's rows in every chunk.
+    The 8-row shard of a 1024-row E4M3 tensor holds 8 * 64 bytes; the whole storage is 128x more."""
+    whole = CurrentScaling("e4m3").quantize(_randn((1024, 64), 3))
+    shard = whole[:8]
+    assert shard.raw_buffers()["data"].untyped_storage().nbytes() == 1024 * 64  # a view: the whole storage
+    with checkpoint_dir() as root:
+        path = os.path.join(root, "c")
+        save_checkpoint({"w": shard}, path)
+        written = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".distcp"))
+        target = {"w": CurrentScaling("e4m3").quantize(_randn((8, 64), 4))}
+        load_checkpoint(target, path)
+    assert written < 1024 * 64 // 4, written  # the shard's 512 bytes plus pickle framing, not the 64 KiB storage
+    assert torch.equal(target["w"].raw_buffers()["data"], shard.raw_buffers()["data"])
+    assert torch.equal(target["w"].raw_buffers()["scale_inv"], shard.raw_buffers()["scale_inv"])
+
+
 # ----------------------------------------------------------------------------- pitfall: _extra_state size
 
 

@@ -42,6 +42,9 @@ def _meta_model(dims, fmt, world_size=1, seed=1):
 
 @pytest.mark.parametrize(("fmt", "dims"), [
     ("fp8", (15, 33, 2)),  # streaming two-pass path (current scaling), odd shapes
+    # fc1.weight [200, 100]: more than chunk_elems("cpu") = 8192 elements -> 3 chunks of rows (81, 81, 38):
+    # the amax pass must reduce over every chunk, the cast pass must write every chunk
+    ("fp8", (100, 200, 1)),
     ("mxfp8", (32, 64, 1)),  # generic path: quantize the shard's fp32 rows at once
     ("nvfp4_16x16", (32, 64, 1)),  # its quantizer cannot run on meta: probed on a small real tensor
 ])

@@ -170,6 +170,13 @@ def test_state_dict_round_trip_is_bit_exact_and_keeps_fp32_state():
         if a.numel():
             assert torch.equal(opt.state[a]["master_param"], opt2.state[b]["master_param"])
 
+    # state_dict() hands out copies: a later step does not change a state dict taken before it
+    taken = opt2.state_dict()
+    counts = {k: v["step"].item() for k, v in taken["state"].items()}
+    train(params2, opt2, 1, 900)
+    assert {k: v["step"].item() for k, v in taken["state"].items()} == counts
+    assert all(opt2.state[p]["step"].item() == counts[0] + 1 for p in params2)
+
     # what torch's loader would have done to the same state
     plain = torch.optim.Adam(params2, lr=LR)
     torch.optim.Optimizer.load_state_dict(plain, copy.deepcopy(saved))
@@ -213,6 +220,18 @@ def test_reseed_master_weights_after_loading_new_values():
     opt.reseed_master_weights()
     assert torch.equal(opt.state[p]["master_param"], p.detach().float())
     assert torch.equal(opt.state[q]["master_param"], q.detach().dequantize(torch.float32))
+    # the next step updates the reseeded masters (not stale copies the kernel tables still point at)
+    ref = {t: [opt.state[t][k].clone() for k in ("master_param", "exp_avg", "exp_avg_sq")] for t in (p, q)}
+    p.grad, q.grad = _grad((10,), 13, torch.bfloat16), _grad((4, 64), 14, torch.bfloat16)
+    opt.step()
+    for t in (p, q):
+        master, m, v = ref[t]
+        adamw_reference_step_(master, t.grad.float(), m, v, 2, lr=LR, betas=(0.9, 0.999), eps=1e-8,
+                              weight_decay=opt.param_groups[0]["weight_decay"])
+        _close(opt.state[t]["master_param"], master)
+    assert torch.equal(p.detach(), opt.state[p]["master_param"].to(torch.bfloat16))
+    assert torch.equal(q.detach().dequantize(torch.float32),
+                       MXFP8Quantizer().quantize(opt.state[q]["master_param"]).dequantize(torch.float32))
 
 
 def test_bad_hyper_parameters_and_grads():
@@ -273,7 +292,9 @@ def test_quantized_params_without_master_weights_raise_at_construction():
 def test_fp8_delayed_scaling_fused_equals_the_requantize_route():
     """The fused kernel (bytes + scale_inv + amax in the update pass) must equal the generic route
     (copy_ the master into the FP8 tensor: its DelayedScaling quantizer casts with the scale in
-    force and records the amax): same bytes, scale_inv and amax history, step after step."""
+    force and records the amax): same bytes, scale_inv and amax history, step after step. Steps 3
+    and 4: some parameters of the bucket get no grad -- they keep bytes, scale and history while the
+    others record their amaxes (the bucket's partial path)."""
     hp, fused = _fp8_params(lambda: DelayedScaling("e4m3", history_len=4), 1)
     _, generic = _fp8_params(lambda: DelayedScaling("e4m3", history_len=4), 1)
     for p, h in zip(fused, hp):
@@ -282,24 +303,31 @@ def test_fp8_delayed_scaling_fused_equals_the_requantize_route():
     assert opt.routes() == [["fp8_fused"] * 3]
     masters = [h.clone() for h in hp]
     ms, vs = [torch.zeros_like(h) for h in hp], [torch.zeros_like(h) for h in hp]
+    steps = [0, 0, 0]
+    skipped = {3: {2}, 4: {0, 1}}  # no grad this step
     for step in range(1, 6):
         scales = [p.quantizer.scale.to(DEV).clone() for p in fused]
         for i, p in enumerate(fused):
+            if i in skipped.get(step, ()):
+                p.grad = None
+                continue
+            steps[i] += 1
             p.grad = _grad(p.shape, 10 * step + i, torch.bfloat16)
-            adamw_reference_step_(masters[i], p.grad.float(), ms[i], vs[i], step, lr=LR, betas=(0.9, 0.999),
+            adamw_reference_step_(masters[i], p.grad.float(), ms[i], vs[i], steps[i], lr=LR, betas=(0.9, 0.999),
                                   eps=1e-8, weight_decay=WD)
         opt.step()
         for i, (a, b) in enumerate(zip(fused, generic)):
             master = opt.state[a]["master_param"]
             _close(master, masters[i])
-            with torch.no_grad():
-                b.copy_(master)  # the generic route, on the very same master
+            if i not in skipped.get(step, ()):
+                with torch.no_grad():
+                    b.copy_(master)  # the generic route, on the very same master
             ra, rb = a.raw_buffers(), b.raw_buffers()
             assert torch.equal(ra["data"], quantize_per_tensor(master, scales[i], "e4m3"))
             assert torch.equal(ra["data"], rb["data"]) and torch.equal(ra["scale_inv"], rb["scale_inv"])
             assert torch.equal(a.quantizer.amax_history, b.quantizer.amax_history)
             assert torch.equal(a.quantizer.amax_history[0].to(DEV), amax(master))
-    assert fused[0].quantizer.steps == generic[0].quantizer.steps == 6  # init + 5 steps
+    assert [p.quantizer.steps for p in fused] == [p.quantizer.steps for p in generic] == [5, 5, 5]  # init + 4 each
 
 
 def test_init_state_creates_state_without_updating_anything():

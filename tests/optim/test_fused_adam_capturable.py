@@ -57,16 +57,21 @@ def test_bias_correction_table_is_the_host_scalars():
 
 
 def test_device_step_scalars_equal_the_host_scalars_bit_for_bit():
-    """The kernel's fp32 scalars for steps 1..3000 (every other step active) and a fresh lr:
-    equal to the host's Python floats rounded to fp32, decay included."""
-    n, lr, wd = 3000, 7.3e-4, 0.05
+    """The kernel's fp32 scalars for steps 1..3000 (every other step active) and around the table's end S
+    (the step is clamped there: the corrections are 1.0 from S on) and a fresh lr: equal to the host's
+    Python floats rounded to fp32, decay included."""
+    lr, wd = 7.3e-4, 0.05
     table = bias_correction_table(0.9, 0.999, DEV)
-    steps = torch.arange(n, dtype=torch.float32, device=DEV)  # before the step
+    end = table.shape[1]  # S: exact in fp32 (~37,000)
+    before = torch.cat([torch.arange(3000), end - 4 + torch.arange(8)]).float()  # step counts before the step
+    n = before.numel()
+    steps = before.clone().to(DEV)  # the kernel advances it in place
     active = (torch.arange(n, device=DEV) % 2 == 0).float()
     group = torch.tensor([lr, wd], dtype=torch.float64, device=DEV)
     hyper = torch.empty(3, n, device=DEV)
     launch_step_scalars(steps, active, group, table, hyper)
-    after = torch.arange(n, dtype=torch.float32) + active.cpu()
+    after = before + active.cpu()
+    assert after[-8:].min() < end < after[-8:].max()
     assert torch.equal(steps.cpu(), after)
     want = torch.tensor([adam_step_scalars(max(float(s), 1.0), lr, 0.9, 0.999) for s in after.tolist()],
                         dtype=torch.float64).t()
@@ -95,8 +100,8 @@ def test_capturable_steps_equal_the_host_path_bit_for_bit():
 
 
 def test_capturable_takes_a_tensor_lr_and_round_trips_its_state():
-    """A tensor lr (what a device-side scheduler writes) gives the float lr's results; the state
-    dict round trip keeps training bit for bit."""
+    """A tensor lr (what a device-side scheduler writes, in place, every step) gives the float lr's
+    results; the state dict round trip keeps training bit for bit."""
     pa, pb = _params(3), _params(3)
     a = FusedAdam(pa, **HP, master_weights=True)
     b = FusedAdam(pb, **{**HP, "lr": torch.tensor(HP["lr"], dtype=torch.float64, device=DEV)},
@@ -107,6 +112,8 @@ def test_capturable_takes_a_tensor_lr_and_round_trips_its_state():
         for params in (pa, pb):
             for p, g in zip(params, grads):
                 p.grad = g.clone()
+        a.param_groups[0]["lr"] = HP["lr"] * 0.6**step
+        b.param_groups[0]["lr"].fill_(HP["lr"] * 0.6**step)  # in place, as torch's schedulers write a tensor lr
         a.step()
         b.step()
         if step == 1:

@@ -38,7 +38,10 @@ def test_a_float_conversion_returns_plain_dequantized_values(name, nominal, dtyp
     for how, out in outs.items():
         assert type(out) is torch.Tensor and out.dtype == dtype, how
         assert torch.equal(out, _expected(q, dtype)), how
-
+    with strict_dispatch():
+        moved = q.to("meta", dtype)  # values AND a device move (the nominal dtype included)
+    assert type(moved) is torch.Tensor and moved.dtype == dtype and moved.device.type == "meta"
+    assert moved.shape == q.shape
 
 
 @pytest.mark.parametrize("nominal", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -28,6 +28,7 @@ from tutorial_lib.quant.fallback import (
 )
 from tutorial_lib.quant.float8 import Float8Tensor
 from tutorial_lib.quant.per_tensor import quantize_per_tensor
+from tutorial_lib.quant.registry import BLOCK_FORMAT_NAMES, make_quantizer
 from tutorial_lib.quant.tensor import Layout, QuantizedTensor, is_quantized, local_tensor
 
 aten = torch.ops.aten
@@ -329,7 +330,43 @@ def test_foreach_inplace_ops_update_quantized_tensors_instead_of_dropping_the_up
     plain = torch.randn(4)
     before = q.dequantize().clone()
     delta = torch.randn(16, 32) * 0.5
-    torch._foreach_add_([q, plain], [delta, torch.ones(4)])
+    q2 = Float8Tensor.from_high_precision(torch.randn(8), scale=8.0, fmt="e5m2")  # a second one: every write lands
+    before2 = q2.dequantize().clone()
+    delta2 = torch.randn(8)
+    torch._foreach_add_([q, plain, q2], [delta, torch.ones(4), delta2])
     expected = Float8Tensor.from_high_precision(before + delta, scale=32.0, fmt="e4m3").dequantize()
     assert torch.equal(q.dequantize(), expected)
     assert not torch.equal(q.dequantize(), before)
+    expected2 = Float8Tensor.from_high_precision(before2 + delta2, scale=8.0, fmt="e5m2").dequantize()
+    assert torch.equal(q2.dequantize(), expected2) and not torch.equal(expected2, before2)
+
+
+def test_an_op_writing_two_quantized_outputs_requantizes_both():
+    """``out=(a, b)``: each output is requantized from its own high-precision result (scale kept)."""
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(8))
+    lo = Float8Tensor.from_high_precision(torch.randn(6), scale=16.0, fmt="e4m3")
+    hi = Float8Tensor.from_high_precision(torch.randn(6), scale=16.0, fmt="e4m3")
+    with strict_dispatch():
+        got = torch.aminmax(x, dim=0, out=(lo, hi))
+    assert got[0] is lo and got[1] is hi
+    assert torch.equal(lo._data, quantize_per_tensor(x.amin(0), torch.tensor(16.0), "e4m3"))
+    assert torch.equal(hi._data, quantize_per_tensor(x.amax(0), torch.tensor(16.0), "e4m3"))
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMAT_NAMES)
+def test_strided_slices_and_selects_of_block_tensors_give_the_dequantized_values(fmt):
+    """Whether an index keeps the bytes (a block-aligned piece) or falls back to a dequantize, its values are
+    those of the dequantized tensor indexed the same way: a strided slice or a select inside a block (here
+    on a 3-D tensor, where a 2-D-only check would miss the block dim) must not alias the wrong bytes/scales."""
+    w = torch.randn(2, 256, 128, generator=torch.Generator().manual_seed(9))
+    q = make_quantizer(fmt).quantize(w)
+    ref = q.dequantize(torch.float32)
+    index = {"[::2]": (slice(None, None, 2),), "[:, ::2]": (slice(None), slice(None, None, 2)),
+             "[:, 128::2]": (slice(None), slice(128, None, 2)),
+             "[:, :, ::2]": (slice(None), slice(None), slice(None, None, 2)),
+             "[1]": (1,), "[:, 5]": (slice(None), 5), "[:, :, 3]": (slice(None), slice(None), 3)}
+    with fallback_mode("allow"):
+        for how, idx in index.items():
+            out = q[idx]
+            values = out.dequantize(torch.float32) if is_quantized(out) else out.float()
+            assert values.shape == ref[idx].shape and torch.equal(values, ref[idx]), how

@@ -18,6 +18,7 @@ from tutorial_lib.quant.view_policy import (
     RawBytesError,
     allow_flat_views,
     flat_raw_bytes,
+    flat_view_scope,
     get_view_policy,
     install_view_policy,
     set_view_policy,
@@ -102,6 +103,15 @@ def test_scoped_dequantize_variant_copies_and_counts():
         v = q.view(-1)
     assert type(v) is torch.Tensor and v.dtype == torch.bfloat16
     assert torch.equal(v, q.dequantize().view(-1)) and VIEW_COPIES["MXFP8Tensor"] == before + 1
+    # nested scopes: the innermost one decides, and the outer one is back when it closes
+    with allow_flat_views():
+        with allow_flat_views(result="dequantize"):
+            assert flat_view_scope() == "dequantize"
+            assert type(q.view(-1)) is torch.Tensor
+        assert flat_view_scope() == "raw_bytes" and type(q.view(-1)) is RawBytes
+        with allow_flat_views(result="dequantize"), allow_flat_views():
+            assert flat_view_scope() == "raw_bytes" and type(q.view(-1)) is RawBytes
+    assert flat_view_scope() is None
     with pytest.raises(ValueError, match="result must be one of"):
         with allow_flat_views(result="nope"):
             pass
