@@ -104,7 +104,10 @@ def quantize_per_tensor(x: torch.Tensor, scale, fmt: str = "e4m3") -> torch.Tens
     """FP8 bytes (uint8, same shape, contiguous) of ``x * scale``: saturating RNE cast.
 
     The product is formed in fp32 (``x.float() * scale``), then clamped to +-max (so inf
-    saturates and NaN stays NaN) and cast with torch's RNE cast."""
+    saturates and NaN stays NaN) and cast with torch's RNE cast. A Python ``scale`` must be finite
+    and > 0 (else ValueError); a tensor ``scale`` is used as it is -- checking its value would read
+    it back to the host. A 0 (``scale_from_amax`` underflows to one only for huge amaxes with a large
+    ``margin``, e.g. 1e30 with margin 64) gives zero codes and an infinite ``scale_inv``."""
     check_input(x, fmt)
     spec = get_format(fmt)
     s = check_scale_arg(scale, x.device)
