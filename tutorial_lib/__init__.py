@@ -61,7 +61,7 @@ from tutorial_lib.dist.runtime import (
     require_world_size,
     resolve_device,
 )
-from tutorial_lib.dist.training_state import TrainingState, init_optimizer_state
+from tutorial_lib.dist.training_state import TrainingState, init_optimizer_state, optimizer_step_count
 from tutorial_lib.harness.bench import bench_ms
 from tutorial_lib.harness.checks import check, check_close, check_equal
 from tutorial_lib.harness.profiling import track_peak_memory
@@ -137,7 +137,8 @@ __all__ = [
     "UnsafeCheckpointError", "UnshardableError", "build_sharded_plain", "build_sharded_quantized",
     "check_fsdp_shardable", "checkpoint_dir", "count_all_gathers", "environment_report", "export_fp32_safetensors",
     "fully_shard_blocks",
-    "init_optimizer_state", "launch", "load_checkpoint", "materialize_sharded_", "quantize_params_",
+    "init_optimizer_state", "launch", "load_checkpoint", "materialize_sharded_", "optimizer_step_count",
+    "quantize_params_",
     "quantize_params_on_meta_", "rank_device", "resolve_device", "run_sequence", "save_checkpoint", "world_mesh",
     # optim
     "FusedAdam", "adamw_reference_step_",

@@ -40,7 +40,7 @@ from tutorial_lib.dist.extra_state import (
     decode_quantizer_state,
     encode_quantizer_state,
 )
-from tutorial_lib.dist.training_state import init_optimizer_state
+from tutorial_lib.dist.training_state import init_optimizer_state, optimizer_step_count
 from tutorial_lib.quant.float8 import CurrentScaling, DelayedScaling, Float8Tensor
 from tutorial_lib.quant.serialization import register_safe_globals
 
@@ -530,6 +530,22 @@ def test_init_optimizer_state_asks_the_optimizer_first_then_falls_back_to_torch(
     u.grad = torch.ones(2)
     with pytest.raises(RuntimeError, match="already have gradients"):
         init_optimizer_state(torch.optim.AdamW([u]))
+
+
+def test_optimizer_step_count_reads_the_agreed_step_and_refuses_none_or_disagreement():
+    """The data position of a resume: one count every parameter agrees on, else an error (never a guess)."""
+    a, b = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(3))
+    opt = torch.optim.AdamW([a, b], lr=1e-3)
+    with pytest.raises(RuntimeError, match="no step count yet"):
+        optimizer_step_count(opt)
+    for _ in range(3):
+        a.grad, b.grad = torch.randn(4), torch.randn(3)
+        opt.step()
+    assert optimizer_step_count(opt) == 3
+    a.grad, b.grad = torch.randn(4), None  # b misses a step: the counts disagree
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"disagree on their step count: \[3, 4\]"):
+        optimizer_step_count(opt)
 
 
 def test_torch_state_init_takes_a_step_that_requantizes_and_init_state_does_not():

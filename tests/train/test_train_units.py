@@ -73,6 +73,35 @@ def test_no_step_reads_a_window_twice_across_epoch_boundaries(data, world_size, 
     assert first[:per_epoch] != first[per_epoch:]  # the next epoch is another permutation
 
 
+@pytest.mark.parametrize(("world_size", "m"), [(1, 3), (2, 3), (3, 3), (2, 4)])
+def test_micro_batches_of_one_step_never_share_a_window(data, world_size, m):
+    """An optimizer step of M micro-batches reads W*B*M distinct windows, also where an epoch does not hold a
+    whole number of M-micro-batch steps in W*B-window pieces. Cutting epochs into micro-batches instead let the
+    step across a boundary read the end of one permutation and the start of the next: at these sizes (a third
+    or more of an epoch per step) that repeats windows within the step."""
+    n = data.train.shape[0]
+    b = next(b for b in range(n // (3 * world_size * m), n) if (n // (world_size * b)) % m)  # no whole steps
+    per_epoch = n // (world_size * b * m)
+
+    def step_rows(s):
+        return [i for mb in range(m) for r in range(world_size)
+                for i in data.train_indices(s, r, world_size, b, seed=2, micro_batch=mb, micro_batches=m)]
+
+    seen = []
+    for s in range(3 * per_epoch + 1):  # across three epoch boundaries
+        row = step_rows(s)
+        assert len(set(row)) == len(row) == world_size * b * m, s
+        seen += row if s < per_epoch else []
+    assert len(set(seen)) == len(seen) == per_epoch * world_size * b * m  # none twice within an epoch
+    assert data.train_indices(4, 0, world_size, b, 2) == data.train_indices(4, 0, world_size, b, 2, 0, 1)
+    x, y = data.train_batch(1, 0, world_size, b, 2, None, m - 1, m)
+    assert torch.equal(x, data.train[data.train_indices(1, 0, world_size, b, 2, m - 1, m), :-1].long())
+    with pytest.raises(ValueError, match=f"micro-batch {m} outside the step's {m} micro-batches"):
+        data.train_indices(0, 0, world_size, b, 2, micro_batch=m, micro_batches=m)
+    with pytest.raises(ValueError, match=f"x {n} micro-batches = "):
+        data.train_indices(0, 0, world_size, b, 2, micro_batch=0, micro_batches=n)
+
+
 def test_val_windows_are_disjoint_and_equal_in_count(data):
     parts = [data.val_windows(r, 3, max_windows=64)[0] for r in range(3)]
     assert [p.shape[0] for p in parts] == [21, 21, 21]  # 64 rounded down to a multiple of 3

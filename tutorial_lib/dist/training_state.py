@@ -5,7 +5,8 @@ What must come back for the next step to equal the run that never stopped::
     model        FP8 bytes + scale_inv per shard, fp32 LayerNorm/bias shards       model.state_dict()
     optimizer    step, exp_avg, exp_avg_sq, fp32 master weights (DTensors)           optimizer.state_dict()
     quantizers   delayed-scaling amax history + scale (the NEXT step's scale)       QuantizerStates (fixed size)
-    data order   which batch comes next                                              yours: e.g. the step number
+    data order   which batch comes next                                              yours: e.g. the step number,
+                                                                                     optimizer_step_count(opt)
 
 :class:`TrainingState` bundles the first three as one DCP ``Stateful``. Loading needs the
 optimizer state to EXIST first (DCP loads in place). torch's ``get_optimizer_state_dict`` and
@@ -53,8 +54,23 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tutorial_lib.dist.extra_state import QuantizerStates
+from tutorial_lib.quant.tensor import local_tensor
 
-__all__ = ["TrainingState", "init_optimizer_state"]
+__all__ = ["TrainingState", "init_optimizer_state", "optimizer_step_count"]
+
+
+def optimizer_step_count(optimizer: torch.optim.Optimizer) -> int:
+    """How many steps ``optimizer`` has taken: its per-parameter ``step`` state, which must agree.
+
+    After a resume this is where the data continues (the batch of step ``n`` comes next). Raises when
+    no parameter has a step count yet (no state: nothing was loaded or stepped) or when the counts
+    differ (a parameter that missed steps, or a partial load). ``step`` may be a DTensor.
+    """
+    steps = {int(local_tensor(st["step"]).item()) for st in optimizer.state.values() if "step" in st}
+    if len(steps) != 1:
+        raise RuntimeError("the optimizer's parameters disagree on their step count: " + str(sorted(steps))
+                           if steps else "the optimizer has no step count yet: no state was loaded or stepped")
+    return steps.pop()
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -58,7 +58,7 @@ from tutorial_lib.dist.checkpoint import (
 from tutorial_lib.dist.export import export_fp32_safetensors
 from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.dist.quantized_init import build_sharded_quantized, quantize_params_
-from tutorial_lib.dist.training_state import TrainingState
+from tutorial_lib.dist.training_state import TrainingState, optimizer_step_count
 from tutorial_lib.models import BlockMLP, local_rows
 from tutorial_lib.optim.fused_adam import FusedAdam
 from tutorial_lib.quant.registry import make_quantizer
@@ -78,7 +78,6 @@ __all__ = [
     "checkpoint_run",
     "compare_with_full",
     "load_unsharded",
-    "loaded_step",
     "reshard_load_run",
     "resume_and_step",
     "snapshot",
@@ -270,25 +269,16 @@ class CheckpointRunResult:
     scratch_dir: str  # the directory shared_checkpoint_dir made inside the ranks (removed before returning)
 
 
-def loaded_step(opt: torch.optim.Optimizer) -> int:
-    """The number of steps the optimizer has taken (its ``step`` state, equal for every parameter): the
-    position in the data a resumed run continues from."""
-    steps = {int(local_tensor(st["step"]).item()) for st in opt.state.values() if "step" in st}
-    if len(steps) != 1:
-        raise RuntimeError(f"the optimizer's parameters disagree on (or lack) their step count: {sorted(steps)}")
-    return steps.pop()
-
-
 def resume_and_step(cfg: RunConfig, path: str, mesh, dev, rank: int, saved: Snapshot, ref_after: Snapshot,
                     quantizers: bool = True) -> ResumeResult:
     """Inside a rank (:func:`checkpoint_run` calls it): a fresh model + optimizer on ``mesh``, load ``path``,
-    take the next step -- its batch from the loaded optimizer's step count (:func:`loaded_step`, which
+    take the next step -- its batch from the loaded optimizer's step count (``optimizer_step_count``, which
     must equal ``cfg.steps``); compare the loaded state with ``saved`` and the state after the step with
     ``ref_after`` (``quantizers=False``: load without the quantizer state, the broken resume)."""
     model, opt = build_model_and_optimizer(cfg, dev, mesh)
     load_checkpoint({"app": TrainingState(model, opt, quantizers=quantizers)}, path)
     loaded = snapshot(TrainingState(model, opt).state_dict())
-    step = loaded_step(opt)  # the data position comes back with the optimizer state
+    step = optimizer_step_count(opt)  # the data position comes back with the optimizer state
     if step != cfg.steps:
         raise RuntimeError(f"the checkpoint's optimizer step is {step}, expected {cfg.steps}")
     loss = train_step(model, opt, *batch(cfg, step, rank, dev))

@@ -37,6 +37,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from tutorial_lib.dist.mesh import world_mesh
+from tutorial_lib.dist.training_state import optimizer_step_count
 from tutorial_lib.harness.bench import paired_ratio, time_alternating, time_new_grads
 from tutorial_lib.optim.adamw_reference import adamw_reference_step_
 from tutorial_lib.optim.fused_adam import HP_INIT_ATTR, FusedAdam
@@ -148,7 +149,7 @@ class DcpRoundtrip:
     params_bitwise_equal: bool  # both runs end with bit-identical local shards
     state_keys: list[str]  # the loaded optimizer's state keys (sorted, over all parameters)
     masters_fp32_dtensor: bool | None  # loaded masters are fp32 DTensors (None: no master weights)
-    steps: list[float]  # the distinct step counts of the loaded optimizer at the end
+    step: int  # the loaded optimizer's step count at the end (its parameters agree on it)
 
 
 def _train(model, opt, steps: range, seed: int, dtype: torch.dtype, dev: torch.device) -> list[float]:
@@ -197,7 +198,7 @@ def fsdp2_dcp_roundtrip(checkpoint_dir: str, dtype: str = "float32", seed: int =
     return DcpRoundtrip(
         rank=dist.get_rank(), dtype=dtype, losses=losses, resumed_losses=losses2, params_bitwise_equal=same,
         state_keys=sorted({k for st in opt2.state.values() for k in st}), masters_fp32_dtensor=masters_fp32,
-        steps=sorted({st["step"].item() for st in opt2.state.values()}),
+        step=optimizer_step_count(opt2),
     )
 
 

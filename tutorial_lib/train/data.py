@@ -12,17 +12,20 @@ every machine and in every run. **Windows.** Each split is cut into non-overlapp
 
 **Per-rank order: deterministic and disjoint.** Training windows are visited in epochs, each a
 permutation drawn from ``torch.Generator().manual_seed(seed * 1_000_003 + epoch)`` and cut into whole
-steps of ``world_size * batch_size`` windows; rank ``r`` takes the ``r``-th ``batch_size`` of a step::
+optimizer steps of ``world_size * batch_size * micro_batches`` windows; micro-batch ``m`` of a step takes
+the ``m``-th ``world_size * batch_size`` of them, rank ``r`` the ``r``-th ``batch_size`` of those::
 
-    E = n // (W*B)                            steps per epoch (n windows, W ranks, B per rank)
-    step s  : epoch e = s // E, k = s % E      perm(e)[k*W*B : (k+1)*W*B]
-    rank r  : perm(e)[k*W*B + r*B : k*W*B + (r+1)*B]
-              the last n - E*W*B windows of each permutation (different ones each epoch) are skipped
+    E = n // (W*B*M)                          steps per epoch (n windows, W ranks, B per rank, M micro-batches)
+    step s  : epoch e = s // E, k = s % E      perm(e)[k*W*B*M : (k+1)*W*B*M]
+    micro m : first = k*W*B*M + m*W*B
+    rank r  : perm(e)[first + r*B : first + (r+1)*B]
+              the last n - E*W*B*M windows of each permutation (different ones each epoch) are skipped
 
-So a batch is a pure function of ``(seed, step, rank, world_size)``: a resumed run reads exactly
-the batches the uninterrupted run would have read (nothing about the data order is checkpointed
-but the step number). A step never spans two permutations, so no window appears twice in one step
--- not on two ranks, not twice in one rank's batch -- and none twice within an epoch.
+So a batch is a pure function of ``(seed, step, micro-batch, rank, world_size)``: a resumed run reads
+exactly the batches the uninterrupted run would have read (nothing about the data order is checkpointed
+but the step number). An optimizer step never spans two permutations, so no window appears twice in one
+step -- not on two ranks, not in two of its micro-batches, not twice in one batch -- and none twice within
+an epoch.
 
 Example::
 
@@ -90,29 +93,36 @@ class TextData:
         return data
 
     def train_batch(self, step: int, rank: int, world_size: int, batch_size: int, seed: int = 0,
-                    device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(inputs, targets)`` of ``rank`` at global ``step``: int64 ``[batch_size, seq_len]`` each.
+                    device=None, micro_batch: int = 0, micro_batches: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)`` of ``rank`` in micro-batch ``micro_batch`` of ``micro_batches`` at optimizer step
+        ``step``: int64 ``[batch_size, seq_len]`` each.
 
         On CUDA the windows go up in ONE copy from pinned memory, queued without a host sync (a copy from
         ordinary pageable memory makes the host wait for every kernel queued before it, so the host could
         not run ahead of the GPU by a step); inputs and targets are views of it, as on the CPU."""
-        w = self.train[torch.tensor(self.train_indices(step, rank, world_size, batch_size, seed))].long()
+        rows = self.train_indices(step, rank, world_size, batch_size, seed, micro_batch, micro_batches)
+        w = self.train[torch.tensor(rows)].long()
         if device is not None and torch.device(device).type == "cuda":
             w = w.pin_memory().to(device, non_blocking=True)
             return w[:, :-1], w[:, 1:]
         return w[:, :-1].to(device), w[:, 1:].to(device)
 
-    def train_indices(self, step: int, rank: int, world_size: int, batch_size: int, seed: int = 0) -> list[int]:
-        """Indices (rows of ``self.train``) of the windows ``rank`` reads at global ``step``."""
+    def train_indices(self, step: int, rank: int, world_size: int, batch_size: int, seed: int = 0,
+                      micro_batch: int = 0, micro_batches: int = 1) -> list[int]:
+        """Indices (rows of ``self.train``) of the windows ``rank`` reads in micro-batch ``micro_batch`` of
+        ``micro_batches`` at optimizer step ``step``."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
+        if not 0 <= micro_batch < micro_batches:
+            raise ValueError(f"micro-batch {micro_batch} outside the step's {micro_batches} micro-batches")
         n = self.train.shape[0]
-        per_step = world_size * batch_size
+        per_step = world_size * batch_size * micro_batches
         if per_step > n:
-            raise ValueError(f"{world_size} ranks x {batch_size} sequences = {per_step} windows per step, but the "
-                             f"training split has only {n} windows of {self.seq_len + 1} tokens")
+            raise ValueError(f"{world_size} ranks x {batch_size} sequences x {micro_batches} micro-batches = "
+                             f"{per_step} windows per step, but the training split has only {n} windows of "
+                             f"{self.seq_len + 1} tokens")
         epoch, k = divmod(step, n // per_step)  # whole steps per epoch: a step never spans two permutations
-        first = k * per_step + rank * batch_size
+        first = k * per_step + (micro_batch * world_size + rank) * batch_size
         return self._permutation(epoch, seed)[first : first + batch_size].tolist()
 
     def _permutation(self, epoch: int, seed: int) -> torch.Tensor:

@@ -239,7 +239,7 @@ def train_step(model, opt, data: TextData, cfg: TrainConfig, step: int, dev) -> 
     for mb in range(cfg.micro_batches):
         model.set_requires_gradient_sync(mb == cfg.micro_batches - 1)
         with record_function("train.data"):
-            x, y = data.train_batch(step * cfg.micro_batches + mb, rank, ws, cfg.batch_size, cfg.data_seed, dev)
+            x, y = data.train_batch(step, rank, ws, cfg.batch_size, cfg.data_seed, dev, mb, cfg.micro_batches)
         with record_function("train.forward"):
             loss = _loss(model, x, y)
         with record_function("train.backward"):
