@@ -26,9 +26,11 @@ from tutorial_lib.train.loop import STEP_PHASES, TrainConfig, build_model_and_op
 FORMATS = ("bf16", *FORMAT_NAMES)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: compiled kernels, the waits are real
 FORWARD_BACKWARD_SYNCS = 0  # measured: no read of device data while the step computes loss and gradients
-OPTIMIZER_SYNCS = {fmt: 3 if fmt == "bf16" else 4 for fmt in FORMATS}
-"""Measured: FusedAdam refreshes its grad-address tables every step (zero_grad(set_to_none=True) frees the
-grads, so next step's live elsewhere): ``Plan.refresh_grads`` reads ``bool(has_grad.any())`` and
+OPTIMIZER_SYNCS = {fmt: 0 if DEV == "cuda" else 3 if fmt == "bf16" else 4 for fmt in FORMATS}
+"""Measured. On a GPU (one H200): none -- CUDA's caching allocator gives the next step's grads the addresses
+the freed ones had, so FusedAdam's grad-address tables need no refresh. On the CPU FusedAdam refreshes them every
+step (zero_grad(set_to_none=True) frees the grads, and the next step's live elsewhere): ``Plan.refresh_grads``
+reads ``bool(has_grad.any())`` and
 ``bool(has_grad.all())``, and ``tutorial_kernels.adam_tables.set_grads`` one ``bool(aligned.all())`` per
 bucket (bf16: one bucket; quantized formats: two, the plain parameters and the quantized weights). All three
 read host-resident int64 tables, so on a GPU none of them waits for the device. A change of the optimizer
@@ -37,12 +39,13 @@ that adds or removes one must update this number."""
 
 @pytest.fixture(scope="module")
 def one_rank():
-    """A one-process gloo group (the training loop runs inside a process group)."""
+    """A one-process group (the training loop runs inside one): gloo for CPU tensors, nccl for GPU ones."""
     if dist.is_initialized():
         yield
         return
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+        backend = "nccl" if DEV == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{tmp}/pg", rank=0, world_size=1)
         try:
             yield
         finally:
