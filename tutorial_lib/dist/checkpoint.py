@@ -80,6 +80,7 @@ from tutorial_lib.dist.checkpoint_checks import (
     uninitialized_memory_as_nan,
 )
 from tutorial_lib.dist.checkpoint_dirs import CheckpointDir, checkpoint_dir, shared_checkpoint_dir
+from tutorial_lib.dist.extra_state import _is_delayed
 from tutorial_lib.quant.serialization import quantized_tensor_globals
 from tutorial_lib.quant.tensor import QuantizedTensor
 
@@ -340,7 +341,7 @@ class QuantizedLoadPlanner(DefaultLoadPlanner):
             raise RequantizeOnLoadError(f"{fqn!r}: some checkpoint chunks are of the target's format and some are "
                                         "not; refusing to mix raw copies and requantization in one tensor")
         if values is not None:
-            if hasattr(getattr(target, "quantizer", None), "amax_history"):  # delayed scaling
+            if _is_delayed(getattr(target, "quantizer", None)):  # its scale comes from a history
                 raise RequantizeOnLoadError(
                     f"{fqn!r}: requantize='allow' into a delayed-scaling weight would cast the loaded values with "
                     "the scale of the model's amax history (from its own past casts, not from these values): "
