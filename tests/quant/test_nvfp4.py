@@ -243,3 +243,18 @@ def test_cpu_and_cuda_write_the_same_bytes(block):
         x = torch.randn(64, 128, generator=g) * torch.exp(torch.randn(64, 1, generator=g) * 3)
         for a, b in zip(quantize_nvfp4(x, block), quantize_nvfp4(x.cuda(), block)):
             assert torch.equal(a, b.cpu()), f"seed {seed}"
+
+
+def test_quantize_into_a_partial_view_is_refused():
+    """A row view shares the global scale with rows it cannot see: quantize_into must not rescale it alone
+    (copy_ rescales the whole root); the refusal leaves every buffer untouched."""
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+    x[2:] *= 100
+    qz = NVFP4Quantizer()
+    q = qz.quantize(x)
+    bufs = {k: b.clone() for k, b in q.raw_buffers().items()}
+    with pytest.raises(ValueError, match="whole tensor"):
+        qz.quantize_into(q[0:2], torch.full((2, 32), 0.5))
+    assert all(torch.equal(b, q.raw_buffers()[k]) for k, b in bufs.items())
+    qz.quantize_into(q, x)  # the whole tensor: unchanged bytes
+    assert all(torch.equal(b, q.raw_buffers()[k]) for k, b in bufs.items())

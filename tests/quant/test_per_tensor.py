@@ -317,3 +317,62 @@ def test_quantizer_save_load_weights_only():
 def test_fake_quantize_rounds_and_saturates():
     x = torch.tensor([1.0, 17.0, 1000.0])
     assert fake_quantize_per_tensor(x, 1.0, "e4m3").tolist() == [1.0, 16.0, 448.0]
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("amax_value, margin", [(1e38, 64), (1e30, 64), (1e38, 20)])
+def test_margin_never_underflows_the_scale(amax_value, margin, pow2, fmt):
+    """fmax / amax / 2**margin would be 0 or an fp32 subnormal (1 / scale = inf, dequantize NaN): the scale stops
+    at the one current scaling gives the largest fp32 amax, a normal fp32 whose codes decode finite."""
+    spec = FORMATS[fmt]
+    floor = scale_from_amax(torch.tensor(torch.finfo(torch.float32).max), fmt, pow2_scales=pow2)
+    s = scale_from_amax(torch.tensor(amax_value), fmt, margin=margin, pow2_scales=pow2)
+    assert s.item() == floor.item() >= torch.finfo(torch.float32).tiny and torch.isfinite(s.reciprocal())
+    assert scale_from_amax(torch.tensor(float("inf")), fmt, margin=margin).isnan()  # the NaN rule is unchanged
+    dq = DelayedScaling(fmt, history_len=2, margin=margin, pow2_scales=pow2)
+    x = torch.tensor([amax_value, -amax_value / 3, 0.0])
+    dq.cast(x)  # records the amax: the next scale comes from it
+    q = dq.quantize(x)
+    assert torch.equal(dq.scale, floor) and torch.equal(q.scale_inv, floor.reciprocal())
+    deq = q.dequantize(torch.float32).double()
+    rtol = 2.0 ** -(spec.man_bits + 1)  # RNE: half an ulp
+    atol = spec.min_subnormal / 2 / floor.double().item()  # values below the smallest code flush to 0
+    assert torch.isfinite(deq).all() and torch.all((deq - x.double()).abs() <= rtol * x.double().abs() + atol)
+
+
+@pytest.mark.parametrize("make", [CurrentScaling, DelayedScaling])
+def test_quantize_into_a_partial_view_is_refused_and_leaves_the_tensor(make):
+    """A partial view shares the one scale with rows it cannot see: rescaling it alone would change their
+    values. quantize_into refuses (copy_ rescales the whole root); the whole tensor still works."""
+    x = torch.tensor([[1.0, 2, 3, 4], [5, 6, 7, 8], [100, 200, 300, 400], [10, 20, 30, 40]])
+    qz = make("e4m3")
+    q = qz.quantize(x)
+    before, bufs = q.dequantize(), {k: b.clone() for k, b in q.raw_buffers().items()}
+    steps = getattr(qz, "steps", None)
+    with pytest.raises(ValueError, match="whole tensor"):
+        qz.quantize_into(q[0:2], torch.full((2, 4), 0.5))
+    assert all(torch.equal(b, q.raw_buffers()[k]) for k, b in bufs.items()) and getattr(qz, "steps", None) == steps
+    q[0:2].copy_(torch.full((2, 4), 0.5))  # the supported write: the whole root is rescaled
+    fmax = FORMATS["e4m3"].max
+    expect = torch.cat([torch.full((2, 4), 0.5), before[2:]])
+    assert torch.allclose(q.dequantize(), expect, rtol=2.0**-4, atol=400 / fmax * 2.0**-9)
+    qz.quantize_into(q.t(), x.t())  # a full view is no partial view
+    assert torch.allclose(q.dequantize(), x, rtol=2.0**-4)
+
+
+def test_clone_forks_the_delayed_scaling_state():
+    """A clone is independent (torch semantics): writing it records into its own amax history, never into the
+    original's, whose next scale stays the one its own history gives. Views and detach keep the quantizer."""
+    dq = DelayedScaling("e4m3", history_len=4)
+    q = dq.quantize(torch.ones(4, 4))
+    hist, scale = dq.amax_history.clone(), dq.scale.clone()
+    for c in (q.clone(), q.t().contiguous(), copy.deepcopy(q)):
+        assert c.quantizer is not dq and type(c.quantizer) is DelayedScaling
+        assert torch.equal(c.quantizer.scale, scale) and c.quantizer.steps == dq.steps
+        c.copy_(torch.full(tuple(c.shape), 100.0))
+        assert c.quantizer.amax_history[0].item() == 100.0
+        assert torch.equal(c.quantizer.scale, torch.tensor(448.0) / torch.tensor(100.0))
+        assert torch.equal(dq.amax_history, hist) and torch.equal(dq.scale, scale) and dq.steps == 1
+    assert q.detach().quantizer is dq and q[1:].quantizer is dq and q.view(-1).quantizer is dq
+    assert CurrentScaling("e4m3").quantize(torch.ones(2)).clone().quantizer is not None

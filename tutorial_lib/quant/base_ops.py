@@ -75,11 +75,18 @@ def _buffer_memory_format(t, buf, memory_format):
 
 @QuantizedTensor.implements(aten.clone.default)
 def _handle_clone(func, args, kwargs):
-    """clone: clone every buffer, stays quantized (deepcopy, .contiguous(), reshape of a copy)."""
+    """clone: clone every buffer, stays quantized (deepcopy, .contiguous(), reshape of a copy).
+
+    A quantizer with per-tensor state (one with ``fork()``, e.g. delayed scaling's amax history) is
+    forked: writing the clone must not change the scale the original is quantized with next."""
     t = args[0]
     mf = kwargs.get("memory_format")
     bufs = {n: b.clone(memory_format=_buffer_memory_format(t, b, mf)) for n, b in t.raw_buffers().items()}
-    return t._wrap_like(bufs, t.shape, view=False)
+    out = t._wrap_like(bufs, t.shape, view=False)
+    fork = getattr(t.quantizer, "fork", None)
+    if fork is not None:
+        out.__dict__["quantizer"] = fork()
+    return out
 
 
 @QuantizedTensor.implements(aten._to_copy.default)

@@ -301,6 +301,10 @@ class _PerTensorQuantizer(ScaleGroupMixin):
             raise ValueError(f"destination is {meta['fmt']}, this quantizer makes {self.fmt}")
         if tuple(dst.shape) != tuple(x.shape):
             raise ValueError(f"shape mismatch: destination {tuple(dst.shape)}, source {tuple(x.shape)}")
+        if dst.__dict__.get("_view_root") is not None:
+            raise ValueError(f"{type(self).__name__}.quantize_into needs a whole tensor: the destination is a partial "
+                             "view whose scale is shared with elements outside it; use dst.copy_(x) (rescales the "
+                             "whole tensor) or quantize into dst.requantize_target(x)")
         return bufs
 
     @staticmethod
@@ -400,6 +404,13 @@ class DelayedScaling(_PerTensorQuantizer):
         if self.scale.device != torch.device(device):
             self.amax_history = self.amax_history.to(device)
             self.scale = self.scale.to(device)
+
+    def fork(self) -> DelayedScaling:
+        """An independent copy for a cloned tensor: its own history, scale and step count, the same group."""
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.amax_history, new.scale = self.amax_history.clone(), self.scale.clone()
+        return new
 
     def record_amax(self, a: torch.Tensor) -> None:
         """Push an amax into the history and update the scale for the next call (no host sync)."""

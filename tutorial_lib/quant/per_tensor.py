@@ -64,6 +64,7 @@ __all__ = [
 
 _ABS_MASK = 0x7FFFFFFF
 _EXP_MASK = 0x7F800000
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 # --------------------------------------------------------------------------- reference ops
@@ -85,6 +86,9 @@ def scale_from_amax(amax: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool 
                     amax_eps: float = 1e-12, margin: int = 0) -> torch.Tensor:
     """``scale = fmt.max / max(amax, amax_eps) / 2**margin`` in fp32; NaN for a non-finite amax.
 
+    A ``margin`` never takes the scale below the one of ``amax`` = the largest fp32 without margin (a
+    huge amax with a large margin would otherwise underflow to a subnormal or 0, and ``1 / scale`` to
+    inf): such an amax gets the scale current scaling would give it, with less headroom than asked.
     ``pow2_scales`` rounds the scale *down* to a power of two (so ``amax * scale <= max`` still holds
     and ``scale_inv`` is exact); taken from the exponent bits, not from ``log2``, which can
     round up near a power of two."""
@@ -94,7 +98,8 @@ def scale_from_amax(amax: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool 
     # two roundings, and differ from the kernel's correctly rounded division in ~25% of cases.)
     scale = torch.full_like(a, fmax) / torch.clamp_min(a, amax_eps)  # clamp_min keeps NaN
     if margin:
-        scale = scale * 2.0 ** (-int(margin))  # exact power-of-two step
+        floor = torch.full_like(a, fmax) / torch.full_like(a, _FP32_MAX)  # a normal fp32 for both formats
+        scale = torch.maximum(scale * 2.0 ** (-int(margin)), floor)  # exact power-of-two step; keeps NaN
     if pow2_scales:
         scale = (scale.view(torch.int32) & _EXP_MASK).view(torch.float32)
     return torch.where(a < float("inf"), scale, torch.full_like(scale, float("nan")))
@@ -106,8 +111,8 @@ def quantize_per_tensor(x: torch.Tensor, scale, fmt: str = "e4m3") -> torch.Tens
     The product is formed in fp32 (``x.float() * scale``), then clamped to +-max (so inf
     saturates and NaN stays NaN) and cast with torch's RNE cast. A Python ``scale`` must be finite
     and > 0 (else ValueError); a tensor ``scale`` is used as it is -- checking its value would read
-    it back to the host. A 0 (``scale_from_amax`` underflows to one only for huge amaxes with a large
-    ``margin``, e.g. 1e30 with margin 64) gives zero codes and an infinite ``scale_inv``."""
+    it back to the host. A 0 gives zero codes and an infinite ``scale_inv`` (``scale_from_amax`` never
+    returns one)."""
     check_input(x, fmt)
     spec = get_format(fmt)
     s = check_scale_arg(scale, x.device)
