@@ -184,3 +184,23 @@ def test_replay_refuses_betas_or_eps_changed_since_capture():
     opt.step()
     opt.capture()
     opt.step()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_replay_refuses_a_param_group_removed_since_capture():
+    """A captured step covers the groups of its capture: after ``param_groups.pop()`` replaying it would
+    still update the removed group's parameters (torch.optim would not touch them)."""
+    p = _params(9)
+    opt = FusedAdam([{"params": p[:2]}, {"params": p[2:]}], **HP, master_weights=True, capturable=True)
+    for q in p:
+        q.grad = torch.ones(q.shape, dtype=q.dtype, device=DEV)
+    opt.step()
+    opt.capture()
+    opt.step()
+    opt.param_groups.pop()
+    with pytest.raises(RuntimeError, match="param_groups changed since capture"):
+        opt.step()
+    opt.rebuild()
+    before = [q.detach().float().clone() for q in p[2:]]
+    opt.step()
+    assert all(torch.equal(q.detach().float(), b) for q, b in zip(p[2:], before))

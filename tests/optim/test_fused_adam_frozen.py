@@ -146,3 +146,39 @@ def test_unfrozen_dtensor_parameter_is_updated_like_torch(tmp_path):
         assert isinstance(opt.state[ours[1]]["exp_avg"], DTensor)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_parameter_without_a_grad_gets_no_state_and_counts_from_its_first_grad():
+    """torch.optim.AdamW creates state at a parameter's first grad: a parameter that never gets one
+    (requires_grad, an unused layer) has no state and no state_dict entry; one whose first grad comes at
+    the third step counts its steps (and bias corrections) from 1. state_dict round trips both ways."""
+    ours, theirs = _pair([(4,), (5,), (3, 2)], 6)
+    opt, ref = FusedAdam(ours, **HP), torch.optim.AdamW(theirs, foreach=False, **HP)
+    _run(ours, theirs, opt, ref, lambda s: (set(), {1} if s >= 2 else {1, 2}), steps=5)
+    _assert_like_torch(ours, theirs, opt, ref)
+    assert ours[1] not in opt.state and opt.state[ours[2]]["step"].item() == 3
+    assert sorted(opt.state_dict()["state"]) == sorted(ref.state_dict()["state"]) == [0, 2]
+    # crossed: torch continues from our state, we continue from torch's; every parameter gets a grad now
+    crossed_theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    crossed_ours = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
+    ref2 = torch.optim.AdamW(crossed_theirs, foreach=False, **HP)
+    opt2 = FusedAdam(crossed_ours, **HP)
+    ref2.load_state_dict(opt.state_dict())
+    opt2.load_state_dict(ref.state_dict())
+    _run(crossed_ours, crossed_theirs, opt2, ref2, lambda s: (set(), set()), steps=2)
+    _assert_like_torch(crossed_ours, crossed_theirs, opt2, ref2)
+    assert [opt2.state[p]["step"].item() for p in crossed_ours] == [7, 2, 5]
+
+
+def test_bf16_parameter_without_a_grad_gets_no_master_until_init_state():
+    """No fp32 master (nor moments) for a bf16 parameter that never had a grad; ``init_state()`` (checkpoint
+    code) still creates every trainable parameter's state, at step 0, and a later step leaves it there."""
+    ours, _ = _pair([(8,), (6,)], 7, dtype=torch.bfloat16)
+    opt = FusedAdam(ours, master_weights=True, **HP)
+    ours[0].grad = torch.ones(8, dtype=torch.bfloat16, device=DEV)
+    opt.step()
+    assert ours[1] not in opt.state and opt.state[ours[0]]["step"].item() == 1
+    opt.init_state()
+    assert opt.state[ours[1]]["step"].item() == 0 and "master_param" in opt.state[ours[1]]
+    opt.step()
+    assert [opt.state[p]["step"].item() for p in ours] == [2, 0]

@@ -47,6 +47,7 @@ EDITS = {
     "replace_params": lambda o, ps: o.param_groups[0].__setitem__("params", [ps[2]]),
     "reverse_groups": lambda o, ps: o.param_groups.reverse(),
     "pop_group": lambda o, ps: o.param_groups.pop(0),
+    "replace_an_entry": lambda o, ps: o.param_groups[0]["params"].__setitem__(0, ps[2]),
 }
 
 
@@ -68,6 +69,32 @@ def test_param_groups_edited_between_steps_are_followed(edit):
     _assert_close(ours, theirs, 3, lr=0.1)
     assert [opt.state[p]["step"].item() if p in opt.state else 0 for p in ours] == \
         [ref.state[p]["step"].item() if p in ref.state else 0 for p in theirs]
+
+
+def test_a_removed_group_leaves_no_plan_behind():
+    """``param_groups.pop()``: the removed group's cached plan (kernel tables, parameters) is dropped at the
+    next step, and capture() does not mistake the leftover for a group not yet stepped."""
+    ours, _ = _twins([3, 5], 4)
+    opt = FusedAdam([{"params": ours[:1]}, {"params": ours[1:]}], lr=LR, capturable=True)
+    _set_grads(ours, ours, 0)
+    opt.step()
+    removed = opt.param_groups.pop()
+    opt.step()
+    assert len(opt._plans) == 1 and all(plan.group is not removed for plan in opt._plans.values())
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match="CUDA graphs need CUDA parameters"):
+            opt.capture()
+
+
+def test_a_parameter_listed_twice_in_a_group_is_refused():
+    """torch.optim warns and steps such a parameter twice, one after the other; one launch cannot (both
+    table rows would read and write the same moments): refused, as torch does across groups."""
+    p = torch.nn.Parameter(torch.ones(3, device=DEV))
+    with pytest.warns(UserWarning, match="duplicate parameters"):
+        opt = FusedAdam([p, p], lr=LR)
+    p.grad = torch.ones(3, device=DEV)
+    with pytest.raises(ValueError, match="lists a parameter twice"):
+        opt.step()
 
 
 def test_load_state_dict_runs_torchs_load_hooks():
@@ -133,16 +160,19 @@ def test_tensor_betas_as_torch_accepts_them(capturable):
 
 def test_delayed_scaling_fp8_bucket_without_any_grad_this_step():
     """A step where the group's delayed-scaling FP8 parameters have no grad (an unused layer) but another
-    parameter has one: the FP8 parameters keep bytes, scale and amax history; their step counts stay 0."""
+    parameter has one: the FP8 parameters keep bytes, scale and amax history; their step counts stay 1."""
     dense = torch.nn.Parameter(torch.randn(8, device=DEV))
     fp8 = [torch.nn.Parameter(DelayedScaling("e4m3", history_len=4).quantize(torch.randn(4, 32).to(DEV)))
            for _ in range(2)]
     opt = FusedAdam([dense] + fp8, lr=LR, master_weights=True)
+    for p in [dense] + fp8:  # a first step with every grad: the FP8 bucket exists
+        p.grad = torch.ones(p.shape, device=DEV)
+    opt.step()
+    fp8[0].grad = fp8[1].grad = None
     before = [({k: v.clone() for k, v in p.raw_buffers().items()}, p.quantizer.amax_history.clone()) for p in fp8]
-    dense.grad = torch.ones(8, device=DEV)
     opt.step()
     assert opt.routes() == [["fp32", "fp8_fused", "fp8_fused"]]
-    assert [opt.state[p]["step"].item() for p in [dense] + fp8] == [1.0, 0.0, 0.0]
+    assert [opt.state[p]["step"].item() for p in [dense] + fp8] == [2.0, 1.0, 1.0]
     for p, (bufs, history) in zip(fp8, before):
         assert all(torch.equal(v, bufs[k]) for k, v in p.raw_buffers().items())
         assert torch.equal(p.quantizer.amax_history, history)

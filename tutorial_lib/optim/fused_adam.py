@@ -33,7 +33,7 @@ Per param group a :class:`~tutorial_lib.optim.fused_adam_plan.Plan` builds the k
 (new storage? where are the grads? are new grads valid?) and writes two step scalars -- never a
 kernel launch or a DTensor op per parameter; ``tutorial_lib.optim.fused_adam_plan`` lists the passes.
 The tables are rebuilt when a parameter gets new storage (``p.data = ...``, FSDP2's lazy init), and
-when a parameter frozen at build time (``requires_grad=False``, no grad) gets a grad: like
+when a parameter without a grad and without state at build time gets a grad: like
 ``torch.optim.AdamW``, a step updates exactly the parameters whose grad is not None (state created
 at the first one), and a parameter without a grad keeps its values, state and step count.
 
@@ -98,20 +98,11 @@ import itertools
 import torch
 from torch.distributed.tensor import DTensor
 from tutorial_kernels.adam import launch_adamw
-from tutorial_kernels.adam_current_scaling import launch_current_scaling_cast
 
 from tutorial_lib.optim.amax_reduce import requantize
-from tutorial_lib.optim.fused_adam_plan import (
-    MASTER_ROUTES,
-    ROUTES,
-    Bucket,
-    Plan,
-    fused_fp8_format,
-    planned_param,
-    route_param,
-)
-from tutorial_lib.quant.float8 import record_amaxes
-from tutorial_lib.quant.per_tensor import all_reduce_amax, amax
+from tutorial_lib.optim.fused_adam_fp8 import fp8_current_step, fp8_delayed_step
+from tutorial_lib.optim.fused_adam_plan import Plan
+from tutorial_lib.optim.fused_adam_routes import MASTER_ROUTES, ROUTES, fused_fp8_format, planned_param, route_param
 from tutorial_lib.quant.tensor import HP_INIT_ATTR, is_quantized, local_tensor
 
 __all__ = ["FusedAdam", "HP_INIT_ATTR", "ROUTES", "route_param", "fused_fp8_format"]
@@ -252,8 +243,13 @@ class FusedAdam(torch.optim.Optimizer):
         parameters, requantizes them and records an amax). State that already exists (loaded, or
         from earlier steps) is kept.
         """
+        self._drop_removed_plans()
         for gi, group in enumerate(self.param_groups):
-            self._plan(gi, group)
+            if any(planned_param(p) and not self.state.get(p) for p in group["params"]):
+                self._plans[gi] = Plan(group, self._init_state, planned_param)
+                self._graph = None  # a new plan: new step counters and tables
+            else:
+                self._plan(gi, group)
 
     # -- step -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -265,16 +261,28 @@ class FusedAdam(torch.optim.Optimizer):
         if self._graph is not None:
             self._replay()
             return loss
+        if len(self._plans) > len(self.param_groups):
+            self._drop_removed_plans()
         for gi, group in enumerate(self.param_groups):
             self._step_group(gi, group)
         return loss
 
+    def _drop_removed_plans(self) -> None:
+        """Forget the plans of param groups removed from ``param_groups`` (their tables, their params)."""
+        for gi in [gi for gi in self._plans if gi >= len(self.param_groups)]:
+            del self._plans[gi]
+
+    def _stepped(self, p: torch.Tensor) -> bool:
+        """Does a step cover ``p``: a grad now, or state already (torch.optim.AdamW creates state at a
+        parameter's first grad: a parameter that never had one gets none)."""
+        return p.grad is not None or bool(self.state.get(p))
+
     def _plan(self, gi: int, group: dict) -> Plan:
         """The group's cached plan; built (creating missing state) on first use or after new storage."""
         plan = self._plans.get(gi)
-        if plan is None or not plan.built_for(group) or plan.stale():
+        if plan is None or not plan.built_for(group) or not plan.same_params(group) or plan.stale():
             # first step, param_groups edited, or a parameter got new storage (p.data = ..., FSDP2 lazy init)
-            plan = self._plans[gi] = Plan(group, self._init_state)
+            plan = self._plans[gi] = Plan(group, self._init_state, self._stepped)
         return plan
 
     def _prepare(self, gi: int, group: dict) -> tuple[Plan, list] | None:
@@ -308,9 +316,9 @@ class FusedAdam(torch.optim.Optimizer):
         kw = dict(lr=lr, betas=(beta1, beta2), eps=group["eps"], weight_decay=wd, num_warps=group["num_warps"])
         for b in plan.buckets:
             if b.route == "fp8_fused":
-                self._fp8_step(b, b.hyper, grads, kw)
+                fp8_delayed_step(b, b.hyper, grads, kw)
             elif b.fused_format == "fp8_current":
-                self._fp8_current_step(b, b.hyper, grads, kw)
+                fp8_current_step(b, b.hyper, grads, kw)
             else:
                 launch_adamw(b.tables, b.hyper, **kw)
             if b.route == "requantize" and b.fused_format is None:  # the format requantizes the new master
@@ -336,6 +344,7 @@ class FusedAdam(torch.optim.Optimizer):
         if not all(g.get("capturable", False) for g in self.param_groups):
             raise ValueError("capture() needs FusedAdam(..., capturable=True): the host path writes host-computed "
                              "step scalars that a graph would freeze at the captured step")
+        self._drop_removed_plans()
         if len(self._plans) != len(self.param_groups):
             raise RuntimeError("call step() once before capture(): state, kernel tables and compilation must "
                                "happen outside the graph")
@@ -359,6 +368,7 @@ class FusedAdam(torch.optim.Optimizer):
                 self._launch(plan, grads, group)
         torch.cuda.synchronize()
         self._graph = graph
+        self._graph_n_groups = len(self.param_groups)
         self._graph_groups = [(plan, group, addrs, hyper) for (plan, _), group, addrs, hyper in prepared]
 
     def release_graph(self) -> None:
@@ -366,6 +376,10 @@ class FusedAdam(torch.optim.Optimizer):
         self._graph = None
 
     def _replay(self) -> None:
+        if len(self.param_groups) != self._graph_n_groups or any(
+                all(g is not group for g in self.param_groups) for _, group, _, _ in self._graph_groups):
+            raise RuntimeError("param_groups changed since capture() (a group added or removed): call rebuild() "
+                               "and capture() again")
         for plan, group, addrs, hyper in self._graph_groups:
             if (tuple(map(float, group["betas"])), group["eps"]) != hyper:  # launch arguments, frozen in the graph
                 raise RuntimeError(f"betas or eps changed since capture() (now {group['betas']}, {group['eps']}; "
@@ -381,62 +395,6 @@ class FusedAdam(torch.optim.Optimizer):
                                        "place, or call release_graph() / capture() again")
             plan.write_group_scalars(group)
         self._graph.replay()
-
-    @staticmethod
-    def _fp8_step(b: Bucket, hyper: torch.Tensor, grads: list, kw: dict) -> None:
-        """Delayed scaling fused: bytes with the scale in force, then amax -> all-reduce -> history."""
-        device = b.tables.table.device
-        for q in b.quantizers:
-            if getattr(q, "group_dropped", False):
-                raise RuntimeError(f"{q!r} lost its process group when it was pickled; call set_group(group)")
-        scales = torch.stack([q.scale if (q.scale.dim() == 0 and q.scale.dtype == torch.float32 and q.scale.device ==
-                                          device) else q.scale.to(device, torch.float32).reshape(())
-                              for q in b.quantizers])  # as they are when they are 0-d fp32 on the device already
-        launch_adamw(b.tables, hyper, scales=scales, **kw)
-        amax = b.tables.amax
-        groups: dict[int, list[int]] = {}
-        for j, q in enumerate(b.quantizers):
-            if getattr(q, "group", None) is not None:
-                groups.setdefault(id(q.group), []).append(j)
-        if groups:
-            for js in groups.values():  # one collective per process group, all tensors at once
-                sub = amax if len(js) == len(b.quantizers) else amax[js]
-                all_reduce_amax(sub, b.quantizers[js[0]].group)
-                if sub is not amax:
-                    amax[js] = sub
-        have = [j for j, i in enumerate(b.members) if grads[i] is not None]
-        if len(have) == len(b.members):
-            record_amaxes(b.quantizers, amax)  # into the histories: batched, not ~15 small ops per parameter
-        elif have:  # none: no grad in this bucket this step (e.g. an unused layer), nothing to record
-            # gathered by views: an index tensor built from `have` would be a blocking host-to-device copy
-            record_amaxes([b.quantizers[j] for j in have], torch.stack([amax[j] for j in have]))
-
-    @staticmethod
-    def _fp8_current_step(b: Bucket, hyper: torch.Tensor, grads: list, kw: dict) -> None:
-        """Current scaling fused: masters + amaxes (one launch), ONE amax all-reduce, bytes (one launch).
-
-        A partial-view shard (FSDP2's short last shard of an uneven split) shares its scale with the
-        rest of its root: as in ``local.copy_(master)``, the whole root is rescaled -- its amax (taken
-        over the root's values, the view's part replaced by the new master) joins the all-reduce, and
-        after the cast the root is requantized with the reduced amax (the view's bytes come out equal)."""
-        group = b.quantizers[0].amax_group()  # raises if pickling dropped it
-        if any(q.amax_group() is not group for q in b.quantizers):
-            raise RuntimeError("a current-scaled FP8 parameter changed its quantizer's group since the kernel "
-                               "tables were built (set_group?): call FusedAdam.rebuild()")
-        launch_adamw(b.tables, hyper, **kw)
-        amaxes = b.tables.amax
-        fixups = []
-        for j, local, master in b.views:  # a few shards at most: the torch route, per view
-            if grads[b.members[j]] is not None:
-                target, values = local.requantize_target(master)
-                amaxes[j].copy_(amax(values))
-                fixups.append((j, local, target, values))
-        if group is not None:
-            all_reduce_amax(amaxes, group)  # ONE collective for the whole bucket
-        _, pow2_scales, amax_eps, _ = b.current
-        launch_current_scaling_cast(b.tables, amax_eps=amax_eps, pow2_scales=pow2_scales)
-        for j, local, target, values in fixups:
-            local.quantizer.quantize_into(target, values, reduced_amax=amaxes[j])
 
     # -- bookkeeping ------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:

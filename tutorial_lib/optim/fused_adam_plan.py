@@ -1,16 +1,17 @@
-"""How :class:`~tutorial_lib.optim.fused_adam.FusedAdam` sees one param group: routes, buckets, kernel
-tables, and the host work of every step.
+"""How :class:`~tutorial_lib.optim.fused_adam.FusedAdam` sees one param group: buckets, kernel tables,
+and the host work of every step.
 
-Routing (:func:`route_param`) reads the storage protocol of each parameter's LOCAL tensor, never
-its dtype alone. Parameters of one route and dtype share a :class:`Bucket`: one set of kernel tables
+Each parameter takes a route (``tutorial_lib.optim.fused_adam_routes``: read from the storage protocol of
+its LOCAL tensor). Parameters of one route and dtype share a :class:`Bucket`: one set of kernel tables
 (``tutorial_kernels.adam_tables``), one launch per step. A :class:`Plan` holds the buckets of a group and is
 built once; per step it answers, each with a few ``map`` passes over the parameters with C-level
 callables (no Python bytecode per parameter)::
 
     built_for(group)       still this group and its params list (param_groups not edited)? O(1)
+    same_params(group)     the same parameter objects, in place? one identity pass
     stale()                new storage since the tables were built? -> build a new Plan
                              plain: p.data_ptr() per parameter    DTensor: same _local_tensor object?
-                           a parameter left out (frozen at build time) got a grad? -> build a new Plan
+                           a parameter left out (no grad, no state at build time) got a grad? -> new Plan
     grads_and_addresses()  p.grad (torch-function off) [-> ._local_tensor] -> .data_ptr()
     refresh_grads()        only if the addresses changed: bulk-validate (type, dtype, size, device,
                            contiguity; DTensor grads: placements), write each bucket's grad row
@@ -24,12 +25,6 @@ With thousands of small parameters the kernel is short and these passes are what
 the host, for plain and DTensor parameters alike; ``benchmarks/bench_adam_fsdp2.py`` measures both
 (step latency, steps issued back to back, the host's share) and records them in
 ``benchmarks/results/``.
-
-Example (FusedAdam builds one :class:`Plan` per param group; the routes are public)::
-
-    from tutorial_lib.optim.fused_adam_plan import route_param
-    route_param(torch.zeros(4), master_weights=False)                         # "fp32"
-    route_param(torch.zeros(4, dtype=torch.bfloat16), master_weights=True)   # "lowp_master"
 """
 
 from __future__ import annotations
@@ -46,125 +41,19 @@ from tutorial_kernels.adam_capturable import bias_correction_table, launch_step_
 from tutorial_kernels.adam_tables import AdamTables, build_tables, copy_to_device, raw_address, set_grads
 
 from tutorial_lib.optim.adamw_reference import adam_step_scalars, adam_step_scalars_tensor
-from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer, FP8Blockwise1x128Tensor
-from tutorial_lib.quant.float8 import CurrentScaling
-from tutorial_lib.quant.mxfp8 import MXFP8Quantizer, MXFP8Tensor
-from tutorial_lib.quant.tensor import is_quantized, local_tensor
+from tutorial_lib.optim.fused_adam_routes import (
+    MASTER_ROUTES,
+    ROUTES,
+    fused_block_format,
+    fused_current_scaling,
+    fused_fp8_format,
+    planned_param,
+    route_param,
+)
+from tutorial_lib.quant.tensor import local_tensor
 
 __all__ = ["ROUTES", "MASTER_ROUTES", "Bucket", "Plan", "fused_block_format", "fused_current_scaling",
            "fused_fp8_format", "planned_param", "route_param"]
-
-ROUTES = ("fp32", "lowp", "lowp_master", "fp8_fused", "requantize")
-MASTER_ROUTES = ("lowp_master", "fp8_fused", "requantize")
-
-
-def _per_tensor_fp8_buffers(local: torch.Tensor) -> bool:
-    """Per-tensor FP8 storage the kernels can address: uint8 codes of the tensor's shape, contiguous, and
-    one fp32 scale_inv; meta ``fmt`` e4m3/e5m2."""
-    layout = getattr(type(local), "quant_layout", None)
-    bufs, meta = local.raw_buffers(), local.meta()
-    if layout is None or layout.block is not None or set(bufs) != {"data", "scale_inv"}:
-        return False
-    data, scale_inv = bufs["data"], bufs["scale_inv"]
-    if data.dtype != torch.uint8 or data.shape != local.shape or not data.is_contiguous():
-        return False
-    return scale_inv.dtype == torch.float32 and scale_inv.numel() == 1 and meta.get("fmt") in ("e4m3", "e5m2")
-
-
-def fused_fp8_format(local: torch.Tensor) -> str | None:
-    """The FP8 format if the kernel can write this quantized tensor's bytes itself, else None.
-
-    Decided from the protocol only: per-tensor layout (no blocks), buffers ``data`` (uint8, the
-    tensor's shape, contiguous) and ``scale_inv`` (fp32 scalar), meta ``fmt`` e4m3/e5m2, and a
-    quantizer whose scale is known BEFORE the update (``scale`` + ``record_amax``: delayed
-    scaling). Current scaling needs the new amax first, so it takes the requantize route.
-    """
-    if not is_quantized(local) or not _per_tensor_fp8_buffers(local):
-        return None
-    q = local.quantizer
-    if q is None or not (hasattr(q, "record_amax") and isinstance(getattr(q, "scale", None), torch.Tensor)):
-        return None
-    return local.meta()["fmt"]
-
-
-def fused_current_scaling(local: torch.Tensor) -> tuple | None:
-    """``(fmt, pow2_scales, amax_eps, group)`` if this current-scaled FP8 tensor can be requantized by the fused
-    route (Adam pass with amax, one all-reduce per bucket, one multi-tensor cast:
-    ``tutorial_kernels.adam_current_scaling``), else None. Tensors with equal keys share a bucket.
-
-    The answer must be the same on every rank of the quantizer's group (each bucket issues one
-    collective): it depends on the quantizer and the storage layout, which FSDP2 gives every
-    rank alike -- a rank whose shard is a partial view (the short shard of an uneven split) is
-    fused too; its view is fixed up after the cast (see ``FusedAdam``). A quantizer that lost
-    its group when pickled is routed here as well and refused at the step, with the reason.
-    """
-    if not is_quantized(local) or type(local.quantizer) is not CurrentScaling:
-        return None  # the exact class: a subclass may change the rule the kernel re-implements
-    if not _per_tensor_fp8_buffers(local):
-        return None
-    q = local.quantizer
-    if q.fmt != local.meta()["fmt"]:
-        return None
-    return q.fmt, bool(q.pow2_scales), float(q.amax_eps), q.group
-
-
-def fused_block_format(local: torch.Tensor) -> tuple[str, str] | None:
-    """``(out_kind, scale rule)`` if the Adam kernel can requantize this block-format tensor in its
-    own pass (``tutorial_kernels.adam_tables.BLOCK_OUTS``), else None (the two-pass requantize).
-
-    The kernel re-implements a quantizer's rounding rule, so the quantizer's exact class decides
-    (a subclass may change the rule): MXFP8 1x32 with an ``MXFP8Quantizer`` (floor or rceil), FP8
-    blockwise 1x128 with a ``BlockwiseFP8Quantizer`` (amax / 448 or power-of-two scales). The element
-    bytes must be a contiguous uint8 buffer of the tensor's shape, the scales contiguous.
-    """
-    if not is_quantized(local):
-        return None
-    q, bufs = local.quantizer, local.raw_buffers()
-    if type(local) is MXFP8Tensor and type(q) is MXFP8Quantizer:
-        out, rule, scale, group = "mxfp8", q.rounding, bufs["scale_e8m0"], 32
-    elif type(local) is FP8Blockwise1x128Tensor and type(q) is BlockwiseFP8Quantizer and q.block == (1, 128):
-        out, rule, scale, group = "fp8_1x128", "pow2" if q.pow2_scales else "amax", bufs["scale_inv"], 128
-    else:
-        return None
-    data = bufs["data"]
-    if data.dtype != torch.uint8 or data.shape != local.shape or not data.is_contiguous():
-        return None
-    if not scale.is_contiguous() or scale.numel() * group != local.numel():
-        return None
-    return out, rule
-
-
-def planned_param(p: torch.Tensor) -> bool:
-    """Does a :class:`Plan` cover ``p``: ``requires_grad``, or a grad already set. A parameter left out
-    (frozen, no grad) is watched per step and joins the plan when it gets a grad -- as
-    ``torch.optim.AdamW``, which updates every parameter whose grad is not None at that step."""
-    return p.requires_grad or p.grad is not None
-
-
-def route_param(local: torch.Tensor, master_weights: bool, index: int = 0) -> str:
-    """Which kernel path a parameter's LOCAL tensor takes: one of :data:`ROUTES`.
-
-    Routing looks at the storage protocol (``is_quantized``, buffers, quantizer), never at
-    ``local.dtype`` alone: a quantized tensor reports its *nominal* dtype (bf16), and sending
-    it to the bf16 kernel would hand a raw-pointer kernel a tensor with no storage.
-    """
-    if is_quantized(local):
-        if not master_weights:
-            raise ValueError(
-                f"parameter {index} (shape {list(local.shape)}) is a quantized {type(local).__name__} "
-                f"(layout {type(local).quant_layout.name!r}) but master_weights=False. Its low-precision "
-                "bytes cannot absorb updates of size lr, and skipping the update would leave it untrained "
-                "without a word. Pass master_weights=True: FusedAdam keeps an fp32 master per quantized "
-                "parameter and requantizes it after every step."
-            )
-        return "fp8_fused" if fused_fp8_format(local) is not None else "requantize"
-    if local.dtype == torch.float32:
-        return "fp32"
-    if local.dtype in (torch.bfloat16, torch.float16):
-        return "lowp_master" if master_weights else "lowp"
-    raise TypeError(f"parameter {index}: FusedAdam supports fp32, bf16, fp16 and quantized parameters, "
-                    f"got {local.dtype}")
-
 
 # The per-step host work is a few passes over the parameter list. Each is a ``map`` over a C-level
 # callable (no Python bytecode per parameter: tens of ns each instead of ~1 us for a list comprehension
@@ -218,21 +107,25 @@ class Plan:
       with two ``fill_``; otherwise a per-parameter table (:func:`adam_step_scalars_tensor`).
     """
 
-    def __init__(self, group: dict, init_state: Callable[[torch.Tensor, torch.Tensor, str], dict]):
+    def __init__(self, group: dict, init_state: Callable[[torch.Tensor, torch.Tensor, str], dict],
+                 cover: Callable[[torch.Tensor], bool] = planned_param):
         """``group`` keys used besides torch's: ``master_weights``, ``block``, ``capturable``
         (device-side step scalars), ``fuse_requantize`` (block formats and current-scaled FP8 requantized
         by the kernels) and ``batch_amax_reduce`` (False: current-scaled FP8 is not fused, one all-reduce
-        per parameter)."""
+        per parameter). ``cover(p)``: does the plan take ``p`` in (``init_state`` creates its state)."""
         for key in ("amsgrad", "maximize"):  # e.g. hyper-parameters loaded from a torch.optim.AdamW state
             if group.get(key):
                 raise ValueError(f"FusedAdam does not implement {key}=True (found in a param group)")
-        # torch.optim steps a parameter whenever it has a grad. The plan covers the parameters that
-        # may get one (requires_grad, or a grad already set); the others are watched by stale(), so
-        # a parameter unfrozen later joins at the step it first has a grad (with fresh state, as in torch).
+        # torch.optim steps a parameter whenever it has a grad. The plan covers the parameters ``cover``
+        # names (FusedAdam's step: a grad now, or state already); the others are watched by stale(), so a
+        # parameter joins at the step it first has a grad (with fresh state, as in torch).
         self.group, self.group_params, self.n_group_params = group, group["params"], len(group["params"])
-        covered = list(map(planned_param, group["params"]))
+        self.group_snapshot = list(group["params"])  # the parameter objects, for same_params()
+        covered = list(map(cover, group["params"]))
         self.params = list(itertools.compress(group["params"], covered))
         self.left_out = [p for p, c in zip(group["params"], covered) if not c]
+        if len(set(map(id, group["params"]))) != self.n_group_params:  # one launch would update it twice, racing
+            raise ValueError("a FusedAdam param group lists a parameter twice: list each parameter once")
         n_dt = sum(isinstance(p, DTensor) for p in self.params)
         self.kind = "plain" if n_dt == 0 else "dtensor" if n_dt == len(self.params) else "mixed"
         locs = self.locals()
@@ -327,9 +220,14 @@ class Plan:
 
     def built_for(self, group: dict) -> bool:
         """Still ``group`` and its unedited ``params`` list? (Else: groups reordered, a list replaced or appended
-        to.) Identity and length only: after replacing one entry in place, call ``FusedAdam.rebuild()``."""
+        to.) Identity and length only; :meth:`same_params` also sees an entry replaced in place."""
         params = group["params"]
         return self.group is group and self.group_params is params and self.n_group_params == len(params)
+
+    def same_params(self, group: dict) -> bool:
+        """Does ``group["params"]`` still hold the parameter objects of the build (an entry replaced in
+        place: no)? One identity pass; call after :meth:`built_for` (which checks the length)."""
+        return all(map(operator.is_, group["params"], self.group_snapshot))
 
     def locals(self) -> list[torch.Tensor]:
         if self.kind == "plain":
@@ -345,7 +243,7 @@ class Plan:
         return [t.data_ptr() or id(t) for t in self.locals()]
 
     def stale(self) -> bool:
-        """Did a parameter get new storage, or a left-out (frozen) parameter a grad, since the build?
+        """Did a parameter get new storage, or a left-out parameter a grad, since the build?
 
         Plain parameters: their ``data_ptr()`` changed -- ``p.data = x`` keeps the object and swaps
         its storage. DTensor parameters: their local shard is another OBJECT -- FSDP2 (lazy init,
@@ -353,8 +251,8 @@ class Plan:
         installing a new ``_local_tensor`` (while ``p.data = other_dtensor`` leaves the shard as it
         was). One identity pass: no address is read, less work than the plain parameters' pass.
         Swapping the storage of the shard object itself (``p._local_tensor.data = x``) is not
-        noticed: call ``FusedAdam.rebuild()`` after that. A parameter left out of the plan (frozen
-        when it was built) that has a grad now makes the plan stale: it joins at this step.
+        noticed: call ``FusedAdam.rebuild()`` after that. A parameter left out of the plan (no grad
+        and no state when it was built) that has a grad now makes the plan stale: it joins at this step.
         """
         if self.left_out and self.left_out_got_grads():
             return True
@@ -363,7 +261,7 @@ class Plan:
         return self.storage_signature() != self.signature
 
     def left_out_got_grads(self) -> bool:
-        """Has a parameter the plan left out (frozen when it was built) got a grad since? One pass of
+        """Has a parameter the plan left out (no grad, no state at build) got a grad since? One pass of
         ``p.grad is None`` over those parameters only: nothing per step when none was left out."""
         with torch._C.DisableTorchFunctionSubclass():  # p.grad on a DTensor: skip __torch_function__
             return not all(map(operator.is_, map(_GRAD, self.left_out), itertools.repeat(None)))
