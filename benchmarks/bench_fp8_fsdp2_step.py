@@ -15,7 +15,8 @@ step (fp32 masters) + ``zero_grad(set_to_none=True)``, eager (no ``torch.compile
     torchao_tensorwise[_fp8_gather] torchao.float8 (convert_to_float8_training, tensorwise; bf16 or FP8
                                    all-gather) -- a peer, recorded only where ``import torchao`` works
 
-Per variant: median step over ``--reps`` after warm-up, max over ranks; model TFLOPS (6 x params x
+Per variant: median step over ``--reps`` after warm-up, max over ranks, each step from an idle device (host
+work in full: ``"timing": "latency"`` in the JSON); model TFLOPS (6 x params x
 tokens per rank x ranks / step); peak memory per rank (CUDA); then ``--profile-steps`` profiled steps: FP8
 casts, transposed codes, the three FP8 GEMMs, all-gathers, reduce-scatters, optimizer step (device time
 on CUDA; host time on the CPU -- a --quick run's numbers are smoke numbers of the CPU emulation and
@@ -99,6 +100,7 @@ def main(argv=None) -> None:
         what = "reference" if v.name == "bf16" else "vs bf16"
         c = case(f"FSDP2 training step (fwd+bwd+FusedAdam), {v.name}: {v.label}, {what} ({size})", v.step_ms,
                  peers={} if v.name == "bf16" else {"bf16": bf16.step_ms, **peers}, nbytes=0, copy_GBps=copy)
+        c["timing"] = "latency"  # median_ms_all_ranks: each step from a synchronised, idle device
         c.update({"tflops": float(f"{v.tflops:.3g}"), "variant": v.name, "weight_format": v.weight_format,
                   "optimizer": v.optimizer, "speed_vs_bf16": round(speed, 4),
                   "phases_ms": {p: round(getattr(v.phases, p), 4) for p in PHASES},

@@ -16,6 +16,8 @@ Goals: FP8 bytes == FP8 codes + scales exactly (per-tensor scales travel as meta
 the codes plus the bf16 non-weight parameters, ~50% of bf16) and FP8 all-gather time <= 60% of
 bf16's. Collectives are timed with CUDA events over a fixed rep count, not do_bench: do_bench picks
 its rep count per rank from a timing estimate, and ranks issuing different numbers of collectives hang.
+Each timed call starts on a synchronised, idle device (``"timing": "latency"`` in the JSON); the in-step
+all-gathers are profiler kernel times (``"kernels"``).
 
     python benchmarks/bench_fsdp2_allgather.py            # 2 GPUs, results into benchmarks/results/
     python benchmarks/bench_fsdp2_allgather.py --quick    # 2 CPU ranks (gloo), tiny model, temp dir
@@ -79,10 +81,12 @@ def main(argv=None) -> None:
         case(f"forward+backward step, FP8 weights vs bf16 ({size}, {tokens} tokens/rank)", fp8.step_ms,
              peers={"bf16": bf16.step_ms}, nbytes=received, copy_GBps=copy),
     ]
+    for c in cases:
+        c["timing"] = "latency"  # median_ms_all_ranks: each call from a synchronised, idle device
     if fp8.allgather_kernel_ms_in_step and bf16.allgather_kernel_ms_in_step:  # the CUDA profiler found them
         cases.insert(1, case(f"all-gather kernels inside a step (profiler), FP8 vs bf16 ({size})",
                              fp8.allgather_kernel_ms_in_step, peers={"bf16": bf16.allgather_kernel_ms_in_step},
-                             nbytes=received, copy_GBps=copy))
+                             nbytes=received, copy_GBps=copy) | {"timing": "kernels"})
     extra = {
         "quick": args.quick, "world_size": 2, "params": r.params, "tokens_per_rank": tokens, "reps": reps,
         "bytes_per_step": {"fp8": fp8_bytes, "bf16": bf16_bytes, "fp8_over_bf16": fp8_bytes / bf16_bytes},

@@ -206,7 +206,7 @@ def main(argv=None) -> None:
                 peers[label] = statistics.median(ours[src]) / 1e3
         rows.append({"name": f"host time per call: {name}", "ours_ms": round(med, 6),
                      "peers": {k: round(v, 6) for k, v in peers.items()}, "bytes": 0, "fraction_of_copy": 0.0,
-                     "kind": "host", "rounds_us": {"ours": [round(t, 2) for t in times],
+                     "kind": "host", "timing": "host", "rounds_us": {"ours": [round(t, 2) for t in times],
                                                    PEER: [round(t, 2) for t in peer[name]]}})
         print(f"{name}: {med * 1e3:8.1f} us per call; {PEER}: {peers[PEER] * 1e3:8.1f} us")
     path = write_results(out, "host_overhead", rows, copy_bandwidth_GBps(device),

@@ -5,7 +5,9 @@ time excluded), peak memory per rank (``torch.cuda.max_memory_allocated``), the 
 the run, and which matmul the format uses (FP8 GEMMs for fp8 / fp8_delayed / fp8_128x128,
 dequantize-on-use otherwise). ``tflops`` counts 6 x (non-embedding parameters) x tokens per step --
 the linear layers' forward and backward, attention's score and value matmuls left out -- so it is a
-model-FLOP rate, not a GEMM rate. ``peers`` holds bf16's step time from the same run.
+model-FLOP rate, not a GEMM rate. ``peers`` holds bf16's step time from the same run. The step time is
+the wall clock over the loop's logging intervals of steps issued back to back, host and device overlapping
+(``"timing": "back_to_back"`` in the JSON: neither a kernel time nor a latency from an idle device).
 
 The workload: ``--batch-size`` sequences of the size's ``seq_len`` per rank per step (default 128 x 512
 = 65,536 tokens per GPU). Small batches measure the host, not the GPU: a step issues thousands of
@@ -90,7 +92,7 @@ def main(argv=None) -> None:
         print(name, f"{r.step_ms:.1f} ms/step")
         cases.append({"name": name, "ours_ms": round(r.step_ms, 3),
                       "peers": {} if (bf16 is None or f == "bf16") else {"bf16": round(bf16.step_ms, 3)},
-                      "bytes": 0, "fraction_of_copy": 0.0,
+                      "bytes": 0, "fraction_of_copy": 0.0, "timing": "back_to_back",
                       "tflops": float(f"{6 * (r.n_params - emb) * tokens / (r.step_ms * 1e-3) / 1e12:.3g}"),
                       "format": f, "matmul": r.matmul, "val_loss": r.final_val_loss, "tokens_per_s": r.tokens_per_s,
                       "peak_memory_bytes": r.peak_memory_bytes, "losses": r.losses})

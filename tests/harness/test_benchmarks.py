@@ -22,6 +22,9 @@ from tutorial_lib.harness.notebooks import REPO_ROOT
 SCRIPTS = sorted(p.name for p in (REPO_ROOT / "benchmarks").glob("bench_*.py"))
 TWO_RANKS = {"bench_adam_fsdp2.py", "bench_fsdp2_allgather.py", "bench_fp8_fsdp2_step.py"}
 CASE_KEYS = {"name", "ours_ms", "peers", "bytes", "fraction_of_copy"}
+# how a case was timed (bench_report pools only runs timed alike): do_bench kernel time, a latency from an idle
+# device (host work in full), steps issued back to back (the training loop's own clock), or host time per call
+TIMINGS = {"kernels", "latency", "back_to_back", "host"}
 
 
 def test_every_benchmark_is_covered():
@@ -50,8 +53,15 @@ def test_quick_run_writes_a_results_file(script, tmp_path):
         assert case["ours_ms"] > 0 and (case["bytes"] > 0 or case.get("tflops", 0) > 0
                                      or case.get("kind") == "host"), case
         assert all(ms > 0 for ms in case["peers"].values())
+        assert case.get("timing") in TIMINGS, (case["name"], case.get("timing"))
+    if script == "bench_train.py":  # the loop's wall clock over steps issued back to back, not a kernel time
+        assert {c["timing"] for c in doc["cases"]} == {"back_to_back"}
+    if script in ("bench_fp8_fsdp2_step.py", "bench_fsdp2_allgather.py"):  # median_ms_all_ranks: from an idle device
+        assert {c["timing"] for c in doc["cases"] if "(profiler)" not in c["name"]} == {"latency"}
     if script == "bench_adam.py":  # the host-bound 2,000-tensor case is timed from an idle GPU, host work in full
         assert [c.get("timing") for c in doc["cases"][:2]] == ["kernels", "latency"]
+    if script == "bench_host_overhead.py":  # host time per call, the GPU kept busy: no device time at all
+        assert {c["timing"] for c in doc["cases"]} == {"host"}
     if script == "bench_adam_fsdp2.py":  # latencies: never pooled with the runs do_bench timed
         assert doc["cases"][0]["timing"] == "latency"
 

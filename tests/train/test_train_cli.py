@@ -152,11 +152,13 @@ def test_a_resume_continues_the_same_run_or_stops_before_training(tmp_path):
     # rewinding to step 2 would train two steps, then fail to write step 4 over the existing one: refused first
     r = _run([*base, "--steps", "4", "--resume", str(out / "checkpoints" / "step_0000002")], timeout=120)
     assert r.returncode == 2 and "would write already exist" in r.stderr and "step_0000004" in r.stderr, r.stderr
-    # resumed exactly at the end: nothing is timed, and the metrics stay valid JSON (null, never NaN)
+    # resumed exactly at the end: nothing is trained or timed, and the metrics stay valid JSON (null, never NaN)
     r = _run([*base, "--steps", "4", "--resume"], timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "already complete at step 4: nothing to train" in r.stdout, r.stdout[-2000:]
     assert "NaN" not in (out / "metrics.jsonl").read_text()
-    assert read_metrics(out / "metrics.jsonl", "end")[-1]["tokens_per_s"] is None
+    (end,) = read_metrics(out / "metrics.jsonl", "end")  # the resumed run's: one record per step
+    assert end["tokens_per_s"] is None
 
 
 def test_more_ranks_than_validation_windows_fail_before_training(tmp_path):

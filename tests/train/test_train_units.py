@@ -192,6 +192,26 @@ def test_metrics_log(tmp_path):
     assert len(read_metrics(tmp_path / "m.jsonl")) == 2
 
 
+def test_a_resume_drops_the_metrics_it_writes_again(tmp_path):
+    """Records of steps after the resumed checkpoint (written before the crash) and the "end" record go, in one
+    replace; records up to the checkpoint, earlier "start" records and a torn last line (cut by the kill) too."""
+    path = tmp_path / "m.jsonl"
+    log = MetricsLog(path)
+    log.begin(0, format="bf16")
+    for step in (1, 2, 3):
+        log.write("train", step=step, loss=1.0 / step)
+    log.write("checkpoint", step=2, path="c2")
+    log.write("end", step=3, val_loss=1.0)
+    with open(path, "a") as fh:
+        fh.write('{"event": "train", "st')
+    MetricsLog(path, enabled=False).begin(2, format="bf16")   # other ranks: the file is rank 0's
+    assert len(path.read_text().splitlines()) == 7
+    log.begin(2, format="bf16")
+    assert [(r["event"], r.get("step"), r.get("start_step")) for r in read_metrics(path)] == [
+        ("start", None, 0), ("train", 1, None), ("train", 2, None), ("checkpoint", 2, None), ("start", None, 2)]
+    assert not os.path.exists(f"{path}.tmp")
+
+
 def test_metrics_are_strict_json_without_nan(tmp_path):
     MetricsLog(tmp_path / "m.jsonl").write("end", tokens_per_s=float("nan"), per_rank=[1.0, float("inf")])
     assert read_metrics(tmp_path / "m.jsonl") == [{"event": "end", "tokens_per_s": None, "per_rank": [1.0, None]}]
@@ -208,12 +228,37 @@ def test_a_resume_must_keep_the_runs_definition(tmp_path):
     check_same_run(checkpoint_path(tmp_path / "elsewhere", 5), run_definition(cfg, 3))   # no run.json: unchecked
 
 
+def _complete_checkpoint(out, step):
+    os.makedirs(checkpoint_path(out, step))
+    open(os.path.join(checkpoint_path(out, step), ".metadata"), "w").close()
+
+
 def test_checkpoints_ahead_of_a_resume_are_refused_before_training(tmp_path):
-    os.makedirs(checkpoint_path(tmp_path, 6))
+    _complete_checkpoint(tmp_path, 6)
     check_no_checkpoints_ahead(tmp_path, start=6, steps=9, every=3)   # writes 9 only
     check_no_checkpoints_ahead(tmp_path, start=3, steps=9, every=0)   # no checkpoints
     with pytest.raises(FileExistsError, match="step_0000006"):
         check_no_checkpoints_ahead(tmp_path, start=3, steps=9, every=3)
+
+
+def test_the_last_step_is_a_checkpoint_too(tmp_path):
+    """A run of 10 steps, a checkpoint every 4: it saves 4, 8 and 10 -- so rewinding to 8 over an existing 10 is
+    refused before training, like any other checkpoint the run would write."""
+    _complete_checkpoint(tmp_path, 10)
+    check_no_checkpoints_ahead(tmp_path, start=10, steps=10, every=4)  # a finished run's resume writes nothing
+    with pytest.raises(FileExistsError, match="step_0000010"):
+        check_no_checkpoints_ahead(tmp_path, start=8, steps=10, every=4)
+
+
+def test_a_save_cut_short_by_a_kill_does_not_block_the_resume(tmp_path):
+    """A killed save leaves shard files without ``.metadata``: the resume skips it (latest_checkpoint) and its
+    own save at that step completes it; refusing it told the user to resume from the latest checkpoint --
+    which is what they had done."""
+    _complete_checkpoint(tmp_path, 4)
+    os.makedirs(checkpoint_path(tmp_path, 8))
+    open(os.path.join(checkpoint_path(tmp_path, 8), "__0_0.distcp"), "w").close()
+    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 4)
+    check_no_checkpoints_ahead(tmp_path, start=4, steps=10, every=4)
 
 
 def test_a_device_the_process_group_cannot_serve_is_a_clear_error(tmp_path, monkeypatch):

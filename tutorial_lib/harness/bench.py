@@ -384,8 +384,10 @@ def copy_bandwidth_GBps(device: torch.device | str, nbytes: int | None = None) -
     return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
 
 
-def case(name: str, ours_ms: float, *, peers: dict[str, float], nbytes: int, copy_GBps: float) -> dict:
-    """One benchmark row; ``nbytes`` is the minimum traffic (bytes read + written) of the operation."""
+def case(name: str, ours_ms: float, *, peers: dict[str, float], nbytes: int, copy_GBps: float,
+         timing: str = "kernels") -> dict:
+    """One benchmark row; ``nbytes`` is the minimum traffic (bytes read + written) of the operation;
+    ``timing`` how it was timed (``"kernels"``: :func:`bench_ms`; ``"latency"``: :func:`latency_ms`)."""
     achieved = nbytes / (ours_ms * 1e-3) / 1e9
     return {
         "name": name,
@@ -393,6 +395,7 @@ def case(name: str, ours_ms: float, *, peers: dict[str, float], nbytes: int, cop
         "peers": {k: round(v, 5) for k, v in peers.items()},
         "bytes": int(nbytes),
         "fraction_of_copy": round(achieved / copy_GBps, 4),
+        "timing": timing,
     }
 
 

@@ -3,7 +3,7 @@
 ::
 
     <out>/checkpoints/step_0000050/    .metadata + __<rank>_0.distcp   (one DCP checkpoint, every rank wrote)
-    <out>/checkpoints/step_0000100/    ...
+    <out>/checkpoints/step_0000100/    ...   (the last step is always saved: a resume of a finished run trains nothing)
 
 A checkpoint holds ``{"train": TrainingState(model, optimizer), "progress": {"step": tensor}}``:
 the FSDP2 shards (FP8 bytes and scales for quantized weights), FusedAdam's moments and fp32
@@ -148,12 +148,13 @@ def check_same_run(checkpoint: str, definition: dict) -> None:
 
 def check_no_checkpoints_ahead(out: str | os.PathLike, start: int, steps: int, every: int) -> None:
     """Refuse (``FileExistsError``) before any training a run from ``start`` to ``steps`` whose checkpoint
-    every ``every`` steps would land on a directory that already exists (a newer checkpoint of an earlier run):
-    the save would fail after the training in between."""
+    every ``every`` steps, or after the last step, would land on a complete checkpoint that already exists (a
+    newer one of an earlier run): the save would fail after the training in between. A directory without
+    ``.metadata`` (a save cut short by a kill) is no obstacle: the new save completes it."""
     if not every:
         return
-    taken = [checkpoint_path(out, s) for s in range(start + 1, steps + 1) if s % every == 0
-             and os.path.exists(checkpoint_path(out, s))]
+    taken = [checkpoint_path(out, s) for s in range(start + 1, steps + 1) if (s % every == 0 or s == steps)
+             and os.path.exists(os.path.join(checkpoint_path(out, s), ".metadata"))]
     if taken:
         raise FileExistsError(f"{len(taken)} checkpoint(s) this run would write already exist, first {taken[0]}: "
                               "resume from the latest one, or move them / use a new --out")

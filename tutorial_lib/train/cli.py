@@ -7,6 +7,7 @@
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29400 \\
              -m tutorial_lib.train --format fp8 --size medium --out /nfs/runs/m       # on each node
     torchrun ... -m tutorial_lib.train ... --out runs/fp8 --resume                        # the latest checkpoint
+                                                          # (of a finished run: the last step, nothing to train)
 
 Under torchrun the process group comes from the environment torchrun sets (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``); started without it, the script
@@ -63,7 +64,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, float]:
     p.add_argument("--warmup", type=int, default=10, help="warmup steps (default 10)")
     p.add_argument("--seed", type=int, default=0, help="model init seed")
     p.add_argument("--data-seed", type=int, default=0, help="data order seed")
-    p.add_argument("--ckpt-every", type=int, default=0, help="DCP checkpoint every N steps (default 0: never)")
+    p.add_argument("--ckpt-every", type=int, default=0,
+                   help="DCP checkpoint every N steps and after the last step (default 0: never)")
     p.add_argument("--eval-every", type=int, default=50, help="validation loss every N steps (default 50)")
     p.add_argument("--eval-windows", type=int, default=64,
                    help="validation windows per evaluation, split over the ranks: at least one per rank (default 64)")

@@ -14,7 +14,7 @@ What :func:`train_model` does on every rank, in order (the lesson each step come
        (refused if the run's definition -- steps, schedule, batch, data order -- changed)
     8  per step: the step's batch (a pure function of step and rank), forward, loss, backward
        (micro-batches: FSDP2's gradient sync only on the last), FusedAdam step
-    9  every ckpt_every steps a DCP checkpoint; every eval_every steps the validation loss;
+    9  a DCP checkpoint every ckpt_every steps and after the last; every eval_every steps the validation loss;
        every log_every steps loss, tokens/s and peak memory per rank -> metrics.jsonl; tqdm on rank 0
 
 All parameters are fp32 shards; compute is bf16 (``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
@@ -96,7 +96,7 @@ class TrainConfig:
     data_seed: int = 0  # data order seed
     device: str = "auto"  # "auto", "cpu" or "cuda"
     out: str | None = None  # run directory: metrics.jsonl and checkpoints/ (None: neither)
-    ckpt_every: int = 0  # DCP checkpoint every N steps (0: never)
+    ckpt_every: int = 0  # DCP checkpoint every N steps and after the last step (0: never)
     resume: str | None = None  # None, "latest" (under out) or a checkpoint directory
     eval_every: int = 50  # validation loss every N steps (and after the last step)
     eval_windows: int = 64  # validation windows used (split over the ranks)
@@ -296,8 +296,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     if rank == 0:
         print(f"[train] {cfg.fmt}: {matmul}; {ws} rank(s) on {dev.type}; {model_cfg.n_params():,} parameters"
               + (f"; resumed at step {start} from {resume_path}" if resume_path else ""), flush=True)
-    log.write("start", format=cfg.fmt, matmul=matmul, world_size=ws, device=dev.type, n_params=model_cfg.n_params(),
-              start_step=start, resume=resume_path, torch=torch.__version__, config=dataclasses.asdict(cfg))
+    log.begin(start, format=cfg.fmt, matmul=matmul, world_size=ws, device=dev.type, n_params=model_cfg.n_params(),
+              resume=resume_path, torch=torch.__version__, config=dataclasses.asdict(cfg))  # drops steps > start
     tokens_per_step = ws * cfg.micro_batches * cfg.batch_size * model_cfg.seq_len
     losses, val_losses, checkpoints, rates, step_times = [], {}, [], [], []
     pending = []  # this interval's per-step losses, on the device (no host sync per step)
@@ -332,6 +332,9 @@ def train_model(cfg: TrainConfig) -> TrainResult:
         # the checkpoint before the evaluation: the step's work is saved first
         if cfg.ckpt_every and done % cfg.ckpt_every == 0:
             checkpoints.append(save_training_checkpoint(model, opt, done, cfg.out))
+        elif cfg.ckpt_every and done == cfg.steps:  # whatever the period, the end of a run is saved
+            checkpoints.append(save_training_checkpoint(model, opt, done, cfg.out))
+        if cfg.ckpt_every and (done % cfg.ckpt_every == 0 or done == cfg.steps):
             log.write("checkpoint", step=done, path=checkpoints[-1])
             restart = True
         if done % cfg.eval_every == 0 or done == cfg.steps:
@@ -346,6 +349,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
             t0, n_timed = time.perf_counter(), 0
     bar.close()
     if cfg.steps not in val_losses:  # resumed exactly at the end: nothing ran
+        if rank == 0:
+            print(f"[train] {cfg.fmt}: the run was already complete at step {start}: nothing to train", flush=True)
         val_losses[cfg.steps] = evaluate(model, data, cfg, dev)
     mem = torch.tensor([peak_memory_bytes(dev)], dtype=torch.float64, device=dev)
     mems = [torch.zeros_like(mem) for _ in range(ws)]

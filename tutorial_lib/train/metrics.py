@@ -1,6 +1,7 @@
 """What a training run measures and where it goes: a JSON-lines file, one record per event.
 
-``<out>/metrics.jsonl`` (rank 0 writes; a resumed run appends)::
+``<out>/metrics.jsonl`` (rank 0 writes; a resumed run appends, after dropping the records of the steps it
+runs again -- those past its checkpoint, and the "end" -- so that every step has one record)::
 
     {"event": "start", "format": "fp8", "matmul": "...", "world_size": 2, "n_params": ..., "config": {...}}
     {"event": "train", "step": 10, "loss": 2.71, "lr": ..., "tokens_per_s": ..., "step_ms": ...,
@@ -20,6 +21,7 @@ Example::
     from tutorial_lib.train.metrics import MetricsLog, peak_memory_bytes, read_metrics
     rank = 0                                        # torch.distributed.get_rank() in a multi-rank run
     log = MetricsLog("runs/a/metrics.jsonl", enabled=(rank == 0))
+    log.begin(0, format="fp8")                      # the "start" record (a resume: its start step)
     log.write("eval", step=25, val_loss=2.43)
     records = read_metrics("runs/a/metrics.jsonl")
 """
@@ -52,6 +54,31 @@ class MetricsLog:
             with open(self.path, "a") as fh:
                 fh.write(json.dumps(_json_safe(record), allow_nan=False) + "\n")
         return record
+
+    def begin(self, start_step: int, **fields) -> dict:
+        """Write the "start" record of a run that begins after ``start_step`` steps. A resume (``start_step``
+        > 0) first drops the records it writes again: every step after ``start_step`` (logged before a crash)
+        and the "end" record; the file is replaced in one ``os.replace`` (never half rewritten)."""
+        if self.enabled and start_step > 0 and os.path.exists(self.path):
+            with open(self.path) as fh:
+                lines = [line for line in fh if line.strip()]
+            keep = [line.rstrip("\n") + "\n" for line in lines if _kept(line, start_step)]
+            if keep != lines:
+                tmp = f"{self.path}.tmp"
+                with open(tmp, "w") as fh:
+                    fh.writelines(keep)
+                os.replace(tmp, self.path)
+        return self.write("start", start_step=start_step, **fields)
+
+
+def _kept(line: str, start_step: int) -> bool:
+    """Whether a resume at ``start_step`` keeps this line (a torn last line, cut by a kill, is dropped too)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return False
+    step = record.get("step")
+    return record.get("event") != "end" and (step is None or step <= start_step)
 
 
 def _json_safe(value):

@@ -1,0 +1,38 @@
+"""A crash and its resume, in the loop itself (one CPU rank, bf16, 10 tiny steps, a checkpoint every 4): the
+last step is always checkpointed, a resume of a finished run trains nothing, and after a crash and a resume
+the metrics file holds one record per step -- the same records as the run that never stopped."""
+
+from tutorial_lib.dist.launcher import launch
+from tutorial_lib.lessons.end_to_end_training import train_runs
+from tutorial_lib.train.checkpoints import checkpoint_path
+from tutorial_lib.train.loop import TrainConfig
+from tutorial_lib.train.metrics import read_metrics
+
+STEPS, EVERY, CRASH = 10, 4, 7  # checkpoints 4, 8 and 10; the crash after step 7 loses steps 5-7
+
+
+def _records(out) -> list[tuple]:
+    """Every record but the "start" ones, as (event, step, loss or val_loss): bitwise values on the CPU."""
+    return [(r["event"], r["step"], r.get("loss", r.get("val_loss"))) for r in read_metrics(f"{out}/metrics.jsonl")
+            if r["event"] != "start"]
+
+
+def test_crash_resume_and_a_finished_run_keep_one_record_per_step(tmp_path):
+    common = dict(fmt="bf16", size="tiny", steps=STEPS, batch_size=2, warmup=2, ckpt_every=EVERY, log_every=1,
+                  eval_every=5, eval_windows=4, device="cpu", progress=False)
+    ref, crashed = str(tmp_path / "ref"), str(tmp_path / "crashed")
+    cfgs = [TrainConfig(out=ref, **common), TrainConfig(out=crashed, crash_after=CRASH, **common),
+            TrainConfig(out=crashed, resume="latest", **common), TrainConfig(out=crashed, resume="latest", **common)]
+    sweep = launch(train_runs, world_size=1, device="cpu", args=(cfgs, True), timeout=600)[0]
+    full, _, resumed, again = sweep.results
+    assert "SimulatedCrash" in sweep.errors[1], sweep.errors
+
+    assert full.checkpoints == [checkpoint_path(ref, s) for s in (4, 8, 10)], "the end of a run is saved"
+    assert resumed.start_step == 4 and resumed.losses == full.losses[4:] and resumed.digests == full.digests
+    assert again.start_step == STEPS and again.losses == [] and again.checkpoints == [], "a finished run: no step"
+    assert again.digests == full.digests and again.final_val_loss == full.final_val_loss
+
+    expect = _records(ref)
+    assert [(e, s) for e, s, _ in expect if e == "train"] == [("train", s) for s in range(1, STEPS + 1)]
+    assert _records(crashed) == expect, "one record per step after crash + resume, as in the uninterrupted run"
+    assert [r["start_step"] for r in read_metrics(f"{crashed}/metrics.jsonl", "start")] == [0, 4, STEPS]
