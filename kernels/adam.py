@@ -317,12 +317,16 @@ def launch_adamw(
         raise ValueError("the Triton Adam kernels run on CPU tensors only in Triton's interpreter "
                          "(TRITON_INTERPRET=1 before triton is imported; set by default on machines without a "
                          "GPU); on this machine, put the parameters and optimizer state on the GPU")
-    if hyper.shape[1:] != (tables.n_tensors,) or hyper.shape[0] not in (2, 3) or hyper.dtype != torch.float32:
-        raise ValueError(f"hyper must be fp32 [2 or 3, {tables.n_tensors}], got {hyper.dtype} {tuple(hyper.shape)}")
+    if hyper.shape[1:] != (tables.n_tensors,) or hyper.shape[0] not in (2, 3) or hyper.dtype != torch.float32 \
+            or not hyper.is_contiguous():
+        raise ValueError(f"hyper must be fp32 [2 or 3, {tables.n_tensors}] and contiguous, got {hyper.dtype} "
+                         f"{tuple(hyper.shape)} with strides {hyper.stride()}")
     if (tables.out == "fp8") != (scales is not None):
         raise ValueError("scales are required for FP8 tables and only for them")
-    if scales is not None and (scales.shape != (tables.n_tensors,) or scales.dtype != torch.float32):
-        raise ValueError(f"scales must be fp32 [{tables.n_tensors}], got {scales.dtype} {tuple(scales.shape)}")
+    if scales is not None and (scales.shape != (tables.n_tensors,) or scales.dtype != torch.float32
+                               or not scales.is_contiguous()):
+        raise ValueError(f"scales must be fp32 [{tables.n_tensors}] and contiguous, got {scales.dtype} "
+                         f"{tuple(scales.shape)} with strides {scales.stride()}")
     if tables.amax_bits is not None:
         tables.amax_bits.zero_()
     if tables.n_chunks == 0:
@@ -371,6 +375,8 @@ def fused_adamw_(
     """
     if len(grads) != len(weights) or len(steps) != len(weights):
         raise ValueError("need one grad and one step count per tensor")
+    if any(s < 1 for s in steps):
+        raise ValueError(f"steps are the counts after this update (>= 1), got {list(steps)}")
     tables = build_tables(weights, exp_avgs, exp_avg_sqs, grad_dtype=grads[0].dtype if grads else torch.float32,
                           outs=outs, out_kind=out_kind, scale_invs=scale_invs, fp8_format=fp8_format, block=block)
     addresses = []
@@ -394,6 +400,9 @@ def adamw_single_tensor_(
     block: int | None = None,
 ) -> None:
     """Lesson 07, step 1: one launch per tensor (what multi-tensor launch then removes)."""
+    if param.numel() >= 2**31:  # the kernel's offsets are int32 (program_id * BLOCK)
+        raise ValueError(f"adamw_single_tensor_ takes fewer than 2**31 elements, got {param.numel()}; "
+                         "use fused_adamw_ (64-bit offsets)")
     for name, x in (("param", param), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
         if x.dtype != torch.float32:
             raise TypeError(f"{name} must be fp32, got {x.dtype}")

@@ -109,6 +109,11 @@ def launch_step_scalars(steps: torch.Tensor, active: torch.Tensor, group: torch.
         raise ValueError(f"table must be fp64 [2, S] (bias_correction_table), got {table.dtype} {tuple(table.shape)}")
     if hyper.shape != (3, n) or hyper.dtype != torch.float32:
         raise ValueError(f"hyper must be fp32 [3, {n}], got {hyper.dtype} {tuple(hyper.shape)}")
+    named = (("steps", steps), ("active", active), ("group", group), ("table", table), ("hyper", hyper),
+             ("index", index if index is not None else steps))
+    for name, t in named:  # the kernel addresses every buffer as a dense row-major array
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
     if n == 0:
         return
     block = min(1024, triton.next_power_of_2(n)) if not interpreted() else triton.next_power_of_2(n)

@@ -438,8 +438,9 @@ def dequantize_per_tensor(data: torch.Tensor, scale_inv, fmt: str = "e4m3", dtyp
     s = torch.as_tensor(scale_inv, dtype=torch.float32, device=data.device).reshape(()).contiguous()
     if out is None:
         out = torch.empty(data.shape, dtype=dtype, device=data.device)
-    elif out.dtype != dtype or out.shape != data.shape or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(data.shape)}")
+    elif out.dtype != dtype or out.shape != data.shape or out.device != data.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {tuple(data.shape)} on {data.device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
     n = data.numel()
     if n:
         block, num_warps = _config(block, num_warps)

@@ -95,8 +95,10 @@ def nvfp4_dequantize(data: torch.Tensor, scale: torch.Tensor, global_scale_inv: 
     kb = data.shape[-1]
     m = math.prod(data.shape[:-1])
     tile_rows = block[0]
+    if tile_rows == 16 and (data.dim() < 2 or data.shape[-2] % 16):
+        raise ValueError(f"data {list(data.shape)}: 16x16 blocks need at least 2 dims with rows a multiple of 16")
     want = (*data.shape[:-1], kb // 8) if tile_rows == 1 else (*data.shape[:-2], data.shape[-2] // 16, kb // 8)
-    if (tile_rows == 16 and (data.dim() < 2 or data.shape[-2] % 16)) or tuple(scale.shape) != want:
+    if tuple(scale.shape) != want:
         raise ValueError(f"scale {list(scale.shape)} does not match data {list(data.shape)} with {block} blocks "
                          f"(expected {list(want)})")
     if not (data.is_contiguous() and scale.is_contiguous()):

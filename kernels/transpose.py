@@ -34,7 +34,9 @@ def _transpose_kernel(x_ptr, out_ptr, rows, cols, BLOCK: tl.constexpr):
 
 
 def transpose(x: torch.Tensor, *, block: int = 128, num_warps: int = 8) -> torch.Tensor:
-    """``x.t().contiguous()`` of a contiguous 2-D tensor of any dtype, as a new tensor."""
+    """``x.t().contiguous()`` of a contiguous 2-D tensor of any real or bool dtype, as a new tensor."""
+    if x.is_complex():
+        raise TypeError(f"transpose moves real or bool elements, got {x.dtype}; use x.t().contiguous()")
     if x.dim() != 2:
         raise ValueError(f"transpose takes a 2-D tensor, got shape {list(x.shape)}")
     if not x.is_contiguous():

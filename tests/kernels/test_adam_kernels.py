@@ -377,3 +377,51 @@ def test_functional_step_names_empty_and_mismatched_lists():
         k.fused_adamw_([], [], [], [], steps=[], lr=1e-3)
     with pytest.raises(ValueError, match="one grad and one step count per tensor"):
         k.fused_adamw_([z], [], [z.clone()], [z.clone()], steps=[1], lr=1e-3)
+
+
+def test_strided_step_tables_are_refused_not_misread():
+    """The kernels address ``hyper`` and ``scales`` as dense row-major arrays: a strided view with the
+    right shape and values would be read at the wrong addresses (other tensors' scalars), so it is refused."""
+    z = torch.ones(8, device=DEV)
+    tables = kt.build_tables([z, z.clone()], [z.clone(), z.clone()], [z.clone(), z.clone()], grad_dtype=torch.float32)
+    hyper = k.adam_step_scalars_tensor(torch.tensor([1.0, 2.0]), 1e-3, 0.9, 0.999).to(DEV)
+    strided = hyper.t().contiguous().t()  # equal values, strides (1, 2)
+    assert torch.equal(strided, hyper)
+    with pytest.raises(ValueError, match="contiguous"):
+        k.launch_adamw(tables, strided, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    u8 = torch.zeros(8, dtype=torch.uint8, device=DEV)
+    fp8 = kt.build_tables([z, z.clone()], [z.clone(), z.clone()], [z.clone(), z.clone()], grad_dtype=torch.float32,
+                          outs=[u8, u8.clone()], out_kind="fp8", scale_invs=[torch.ones(1, device=DEV)] * 2,
+                          fp8_format="e4m3")
+    with pytest.raises(ValueError, match="contiguous"):
+        k.launch_adamw(fp8, hyper, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                       scales=torch.ones(4, device=DEV)[::2])
+
+
+def test_capturable_step_scalars_refuse_strided_buffers():
+    """``launch_step_scalars`` updates ``steps`` and writes ``hyper`` in place: a strided view would get
+    the wrong elements updated (steps[::2] += 1 lands on steps[0], steps[1], steps[2] of the base)."""
+    from tutorial_kernels.adam_capturable import bias_correction_table, launch_step_scalars
+
+    table = bias_correction_table(0.9, 0.999, DEV)
+    group = torch.tensor([1e-3, 0.0], dtype=torch.float64, device=DEV)
+    active = torch.ones(3, device=DEV)
+    with pytest.raises(ValueError, match="steps must be contiguous"):
+        launch_step_scalars(torch.zeros(6, device=DEV)[::2], active, group, table, torch.empty(3, 3, device=DEV))
+    with pytest.raises(ValueError, match="hyper must be contiguous"):
+        launch_step_scalars(torch.zeros(3, device=DEV), active, group, table, torch.empty(3, 3, device=DEV).t())
+
+
+def test_functional_step_refuses_step_counts_below_one():
+    """``steps`` count the update being made (1 on the first): 0 would run silently as step 1."""
+    z = torch.zeros(8, device=DEV)
+    with pytest.raises(ValueError, match=">= 1"):
+        k.fused_adamw_([z], [z.clone()], [z.clone()], [z.clone()], steps=[0], lr=1e-3)
+
+
+def test_single_tensor_kernel_refuses_sizes_past_int32_offsets():
+    """The lesson's one-tensor kernel computes offsets in int32 (program_id * BLOCK): 2**31 elements and
+    more would wrap to negative addresses, so the launcher refuses them (meta tensors: nothing allocated)."""
+    big = torch.empty(2**31, device="meta")
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        k.adamw_single_tensor_(big, big, big, big, 1, lr=1e-3)

@@ -316,6 +316,9 @@ def test_bad_input_errors():
         k.amax(x, block=1000)
     with pytest.raises(TypeError, match="uint8"):
         k.dequantize_per_tensor(x, 1.0)
+    with pytest.raises(ValueError, match="out must be a contiguous torch.float32 tensor .* on"):  # another device
+        k.dequantize_per_tensor(torch.zeros(4, dtype=torch.uint8, device=DEV), 1.0,
+                                out=torch.empty(4, device="meta"))
     if DEV == "cuda" and not interpreted():
         with pytest.raises(ValueError, match="CUDA tensors"):
             k.amax(torch.ones(4))

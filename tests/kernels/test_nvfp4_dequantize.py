@@ -86,6 +86,10 @@ def test_bad_input_gets_a_clear_error():
         nvfp4_dequantize(d, s, g.double(), (16, 16))
     with pytest.raises(ValueError, match="contiguous"):
         nvfp4_dequantize(d.t().contiguous().t(), s, g, (16, 16))
+    with pytest.raises(ValueError, match="16x16 blocks need at least 2 dims"):  # not an IndexError
+        nvfp4_dequantize(d.reshape(-1), s.reshape(-1), g, (16, 16))
+    with pytest.raises(ValueError, match="rows a multiple of 16"):
+        nvfp4_dequantize(d[:8], s[:1], g, (16, 16))
 
 
 def test_tensor_dequantize_uses_the_kernel_exactly_on_cuda(monkeypatch):

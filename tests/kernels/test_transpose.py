@@ -26,3 +26,5 @@ def test_transpose_errors():
     with pytest.raises(ValueError, match="contiguous"):
         transpose(torch.zeros(4, 6).t())
     assert transpose(torch.zeros(0, 5)).shape == (5, 0)
+    with pytest.raises(TypeError, match="real or bool"):  # Triton has no complex element type
+        transpose(torch.zeros(4, 6, dtype=torch.complex64, device=DEV))
