@@ -111,8 +111,8 @@ def counter_uniform(seed: int, name: str, shape, *, rows: tuple[int, int] | None
     """Rows ``rows = (start, stop)`` of a full tensor of ``shape`` filled with U(low, high) from ``(seed, name)``.
 
     The value of every element depends only on ``(seed, name, flat index)``: any row range of
-    any sharding gives the same numbers as the full tensor. Writes into ``out`` if given (shape
-    ``[stop - start, *shape[1:]]``), chunk by chunk, so the temporaries stay small.
+    any sharding gives the same numbers as the full tensor. Writes into ``out`` if given (contiguous,
+    floating point, shape ``[stop - start, *shape[1:]]``), chunk by chunk, so the temporaries stay small.
     """
     shape = tuple(int(s) for s in shape)
     if not shape:
@@ -130,6 +130,9 @@ def counter_uniform(seed: int, name: str, shape, *, rows: tuple[int, int] | None
     elif tuple(out.shape) != local_shape:
         raise ValueError(f"out has shape {list(out.shape)}; rows {(start, stop)} of {list(shape)} need "
                          f"{list(local_shape)}")
+    if not (out.is_floating_point() and out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous floating-point tensor, got {out.dtype} with strides "
+                         f"{list(out.stride())}")
     if low == high:  # a constant (LayerNorm weight = 1, biases = 0): no randomness involved
         return out.fill_(low)
     k1, k2 = _keys(seed, name)
@@ -265,7 +268,7 @@ def naive_reset_parameters(model: nn.Module, seed: int) -> None:
 
 
 class _QuantizedLinearFn(torch.autograd.Function):
-    """``y = x @ dequantize(W).T + b``; saves the QUANTIZED weight (1 byte/element) for backward."""
+    """``y = x @ dequantize(W).T + b``; saves the QUANTIZED weight (its codes and scales) for backward."""
 
     @staticmethod
     def forward(ctx, x, w, b):

@@ -101,6 +101,17 @@ def test_constant_ranges_and_bad_input():
         counter_uniform(0, "w", (4, 2), out=torch.empty(3, 2))
 
 
+def test_out_must_be_a_contiguous_float_tensor():
+    # an integer out silently truncated U(-1, 1) to zeros; a transposed one failed inside view(-1)
+    with pytest.raises(ValueError, match="contiguous floating-point"):
+        counter_uniform(0, "w", (4, 8), out=torch.empty(4, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="contiguous floating-point"):
+        counter_uniform(0, "w", (4, 8), out=torch.empty(8, 4).t())
+    out = torch.empty(4, 8, dtype=torch.bfloat16)
+    assert counter_uniform(0, "w", (4, 8), out=out) is out
+    assert torch.equal(out, counter_uniform(0, "w", (4, 8), dtype=torch.bfloat16))
+
+
 def test_models_with_the_same_seed_are_identical():
     a, b, c = BlockMLP(16, 24, 2, seed=3), BlockMLP(16, 24, 2, seed=3), BlockMLP(16, 24, 2, seed=4)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))

@@ -31,12 +31,12 @@ gradient, which ``set_to_none=False`` costs), and FusedAdam re-reads their addre
 
 Per variant: the median step over ``reps`` (after an untimed first step and two warm-up steps), max over
 ranks; model TFLOPS ``6 x params x tokens_per_rank x world_size / step``; peak memory per rank (CUDA);
-the fraction of ``blocks.0.fc1.weight``'s local bytes the first step changed; then ``profile_steps``
-profiled steps give the phases: FP8 casts, transposed codes, the three FP8 GEMMs (``fp8_linear.*``
-ranges; zero for bf16 and for torchao, whose casts and GEMMs are not in them), FSDP2's all-gathers and
-reduce-scatters, and the optimizer step -- device time of the kernels
-each range launched on CUDA, host time inside the ranges on the CPU (``time_source``). Phases overlap
-(FSDP2 all-gathers on their own stream), so they need not add up to the step.
+the share of ``blocks.0.fc1.weight``'s local stored elements (FP8 codes, bf16 values) the first step
+changed; then ``profile_steps`` profiled steps give the phases: FP8 casts, transposed codes, the three
+FP8 GEMMs (``fp8_linear.*`` ranges; zero for bf16 and for torchao, whose casts and GEMMs are not in them),
+FSDP2's all-gathers and reduce-scatters, and the optimizer step -- device time of the kernels each range
+launched on CUDA, host time inside the ranges on the CPU (``time_source``). Phases overlap (FSDP2
+all-gathers on their own stream), so they need not add up to the step.
 
 Goals (``benchmarks/bench_fp8_fsdp2_step.py`` reports them): on 2 GPUs, the 1.07B-parameter BlockMLP
 (8 blocks 4096 -> 16384 -> 4096) at 8,192 tokens per rank, speed = 1 / step time relative to bf16 in the
@@ -129,8 +129,8 @@ class StepVariant:
     params: int  # parameters of the (global) model
     step_ms: float  # forward + backward + optimizer step + zero_grad
     tflops: float  # model TFLOPS: 6 x params x tokens per rank x world size / step time
-    peak_memory_bytes: list[int]  # per rank: max allocated during the timed steps (CUDA; [] on the CPU)
-    weight_changed_fraction: float  # fraction of this rank's blocks.0.fc1.weight bytes (codes) the first step changed
+    peak_memory_bytes: list[int]  # per rank: max allocated over the warm-up and timed steps (CUDA; [] on CPU)
+    weight_changed_fraction: float  # share of blocks.0.fc1.weight's stored elements (codes or bf16) changed
     phases: TrainStepPhases  # the profiled steps' phases
 
 
