@@ -68,3 +68,12 @@ def test_malformed_exercises_are_errors(tmp_path):
     path = _lesson(tmp_path, None, CHECK)
     with pytest.raises(LessonFailed, match="needs 'solution' and 'wrong'"):
         run_lesson(path, tmp_path / "out", device="cpu", world_size=1, quick=True)
+
+
+def test_check_answer_does_not_take_a_bool_for_a_number_or_a_number_for_a_bool(capsys):
+    for answer, expected, kw in ((True, 1, {}), (1, True, {}), (False, 0, {}), (True, 1.0, {"rel_tol": 0.1})):
+        with pytest.raises(SelfCheckError):
+            check_answer(answer, expected, "q", **kw)
+    check_answer(True, True, "yes/no")
+    check_answer(1.0, 1, "a count")
+    assert capsys.readouterr().out.count("CHECK PASSED:") == 2

@@ -236,3 +236,51 @@ def test_a_parameter_reaches_the_lesson_and_a_foreign_one_is_refused(tmp_path, c
     assert _main(["run", str(nb), "--device", "cpu", "--world-size", "1", "--quick", "--no-html",
                   "--out", str(tmp_path / "o"), "-p", "steps=7"]) == 0
     assert "'steps': 7" in capsys.readouterr().out
+
+
+# --- strip and the caller's environment ---------------------------------------------------------
+
+
+def test_strip_removes_outputs_and_run_metadata_keeps_ids_and_is_idempotent(tmp_path):
+    from tutorial_lib.harness.notebooks import strip_outputs
+
+    path = _notebook(tmp_path, [("print(1)", ["self-check"])])
+    nb = nbformat.read(path, as_version=4)
+    cell = nb.cells[-1]
+    cell.outputs, cell.execution_count = [nbformat.v4.new_output("stream", text="1\n")], 3
+    cell.metadata["papermill"] = {"duration": 1.0, "status": "completed"}
+    nb.metadata["papermill"] = {"input_path": "/home/someone/notebooks/x.ipynb"}
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {"a": {}}}}
+    nbformat.write(nb, path)
+    ids = [c["id"] for c in json.loads(path.read_text())["cells"]]
+    assert has_outputs(path) and strip_outputs(path)
+    raw = json.loads(path.read_text())
+    assert [c["id"] for c in raw["cells"]] == ids
+    assert "papermill" not in raw["metadata"] and "widgets" not in raw["metadata"]
+    assert raw["cells"][-1]["metadata"] == {"tags": ["self-check"]} and raw["cells"][-1]["outputs"] == []
+    assert not has_outputs(path)
+    before = path.read_bytes()
+    assert not strip_outputs(path) and path.read_bytes() == before
+
+
+def test_run_lesson_leaves_the_callers_environment_as_it_was(tmp_path, monkeypatch):
+    import os
+
+    import papermill
+
+    def dead_kernel(*args, **kwargs):
+        assert os.environ["TRITON_INTERPRET"] == "1"   # the kernel would inherit it
+        raise RuntimeError("kernel died")
+
+    monkeypatch.setattr(papermill, "execute_notebook", dead_kernel)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("TUTORIAL_PROGRESS", raising=False)
+    path = _notebook(tmp_path, [("check(True, 'x')", ["self-check"])])
+    with pytest.raises(LessonFailed, match="kernel died"):
+        run_lesson(path, tmp_path / "out", device="cpu", world_size=1, quick=True)
+    assert "TRITON_INTERPRET" not in os.environ and "TUTORIAL_PROGRESS" not in os.environ
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(LessonFailed):
+        run_lesson(path, tmp_path / "out", device="cpu", world_size=1, quick=True)
+    assert os.environ["TRITON_INTERPRET"] == "0"
+    assert not list((tmp_path / "out").glob(".*prepared*"))   # the prepared copy is gone too

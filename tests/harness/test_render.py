@@ -22,7 +22,8 @@ def test_committed_rendered_copies_match_their_lessons():
         if params.get("device") != "cuda":
             problems.append(f"{path.name}: ran with {params}, not on GPUs")
     assert not problems, ("rendered copies out of date with their lessons:\n  " + "\n  ".join(problems)
-                          + f"\nregenerate them with `{render.REGENERATE}` (or `--from` a `make lessons` output)")
+                          + f"\nregenerate them with `{render.REGENERATE}` "
+                          "(or `--from` a `make lessons ARGS=--unanswered` output)")
 
 
 def test_readme_links_exactly_the_rendered_copies():
@@ -220,3 +221,49 @@ def test_the_command_executes_and_renders_a_lesson(tmp_path):
     assert copy.metadata[render.METADATA_KEY]["parameters"] == {"device": "cpu", "world_size": 2, "quick": True}
     assert any("image/png" in o.get("data", {}) for o in copy.cells[3].outputs)
     assert render.check_rendered(out, lessons) == []
+
+
+def test_a_copy_showing_lines_changed_into_a_twin_or_with_lines_added_is_named(tmp_path):
+    """Every shown line may still be somewhere in the file while the shown code is not: a line changed into
+    one another function also has, or a line added between two shown ones."""
+    lib = tmp_path / "tutorial_lib"
+    lib.mkdir()
+    src = 'def f(x):\n    """Doc."""\n    y = x + 1\n    return y\n\n\ndef g(x):\n    y = x * 2\n    return y\n'
+    (lib / "mod.py").write_text(src)
+    shown = "# tutorial_lib/mod.py:1\n1  def f(x):\n3      y = x + 1\n4      return y\n"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("show_source(f)", outputs=[nbformat.v4.new_output(
+        "stream", name="stdout", text=shown + "5 ranks done\n")])]
+    assert render.shown_code_gone(nb, root=tmp_path) == []
+    (lib / "mod.py").write_text(src.replace('    """Doc."""\n', '    """Doc,\n    longer."""\n'))
+    assert render.shown_code_gone(nb, root=tmp_path) == []   # the docstring is not shown: it may change
+    (lib / "mod.py").write_text(src.replace("return y\n", "return -y\n", 1))   # g still has 'return y'
+    assert render.shown_code_gone(nb, root=tmp_path) == [
+        "cell 0 shows lines of tutorial_lib/mod.py no longer as shown (changed, moved or added among them) "
+        "from 'y = x + 1'"]
+    (lib / "mod.py").write_text(src.replace("    return y\n", "    y = y * 2\n    return y\n", 1))
+    assert len(render.shown_code_gone(nb, root=tmp_path)) == 1   # a line added inside the shown ones
+
+
+def test_a_run_with_the_exercise_solutions_is_not_rendered_and_unanswered_runs_are(tmp_path, monkeypatch):
+    """``make lessons`` fills in the solutions; ``--unanswered`` makes the runs ``render --from`` takes."""
+    from tutorial_lib.harness import notebooks
+    from tutorial_lib.harness.exercises import EXERCISE_CHECK_TAG, EXERCISE_TAG, with_solutions
+
+    source = _lesson(tmp_path)
+    nb = nbformat.read(source, as_version=4)
+    ex, chk = nbformat.v4.new_code_cell("answer = None"), nbformat.v4.new_code_cell("check_answer(answer, 2, 'x')")
+    ex.metadata = {"tags": [EXERCISE_TAG], "exercise": {"solution": "answer = 2", "wrong": "answer = 3"}}
+    chk.metadata["tags"] = [EXERCISE_CHECK_TAG]
+    nb.cells += [ex, chk]
+    nbformat.write(nb, source)
+    executed = _executed(source, tmp_path)
+    nbformat.write(with_solutions(nbformat.read(executed, as_version=4))[0], executed)
+    with pytest.raises(render.RenderError, match="solutions filled in.*--unanswered"):
+        render.render_notebook(executed, source, tmp_path / "rendered" / source.name, META)
+    seen = []
+    monkeypatch.setattr(notebooks, "run_lesson", lambda *a, **k: seen.append(k["solve_exercises"]) or 1 / 0)
+    for argv in ([], ["--unanswered"]):
+        with pytest.raises(ZeroDivisionError):
+            notebooks._main(["run", str(source), "--no-html", "--out", str(tmp_path / "o"), *argv])
+    assert seen == [True, False]

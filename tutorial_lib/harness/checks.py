@@ -28,18 +28,27 @@ class SelfCheckError(AssertionError):
 
 
 def check(condition, message: str) -> None:
-    """Assert ``condition`` and print a pass line the harness counts; fail loudly otherwise."""
+    """Assert ``condition`` and print a pass line the harness counts; fail loudly otherwise.
+
+    A float is no condition (NaN is truthy): compare it, e.g. ``check(err < tol, ...)``."""
     if isinstance(condition, torch.Tensor):
         if condition.numel() != 1:
             raise TypeError(f"check() needs a single boolean, got a tensor of shape {tuple(condition.shape)}")
+        if condition.dtype.is_floating_point or condition.dtype.is_complex:
+            raise TypeError(f"check() needs a boolean, got a {condition.dtype} tensor: compare it to something")
         condition = bool(condition.item())
+    if isinstance(condition, (float, complex)):
+        raise TypeError(f"check() needs a boolean, got the number {condition!r}: compare it to something")
     if not condition:
         raise SelfCheckError(f"{FAIL_MARK} {message}")
     print(f"{PASS_MARK} {message}", flush=True)
 
 
 def check_close(actual, expected, *, rtol: float, atol: float, what: str) -> None:
-    """``torch.testing.assert_close`` with a pass line; the failure message names ``what``."""
+    """``torch.testing.assert_close`` with a pass line; the failure message names ``what``. Comparing no
+    values at all (empty tensors) fails: it would assert nothing."""
+    if _count(actual) == 0 and _count(expected) == 0:
+        raise SelfCheckError(f"{FAIL_MARK} {what}: nothing to compare (both sides are empty)")
     try:
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
     except AssertionError as exc:
@@ -47,16 +56,36 @@ def check_close(actual, expected, *, rtol: float, atol: float, what: str) -> Non
     print(f"{PASS_MARK} {what} (rtol={rtol:g}, atol={atol:g})", flush=True)
 
 
+def _count(x) -> int:
+    """How many values ``assert_close`` would compare in ``x`` (tensors, numbers, nested sequences/dicts)."""
+    if isinstance(x, torch.Tensor):
+        return x.numel()
+    if isinstance(x, dict):
+        return sum(_count(v) for v in x.values())
+    if isinstance(x, (list, tuple)):
+        return sum(_count(v) for v in x)
+    return 1
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The bits of a floating tensor as integers: -0.0 differs from 0.0, a NaN equals the same NaN."""
+    if t.dtype.is_floating_point and t.dtype.itemsize in _BITS:
+        return t.view(_BITS[t.dtype.itemsize])
+    return t
+
+
 def check_equal(actual, expected, what: str) -> None:
     """Bit-exact equality of two tensors (or plain values), with a pass line."""
-    if isinstance(actual, torch.Tensor):
-        def raw(t):  # float8 tensors cannot be compared directly on every build: compare their bytes
-            return t.view(torch.uint8) if t.dtype.itemsize == 1 else t
-
+    if isinstance(actual, torch.Tensor) or isinstance(expected, torch.Tensor):
         same = (
-            actual.shape == expected.shape
+            isinstance(actual, torch.Tensor)
+            and isinstance(expected, torch.Tensor)
+            and actual.shape == expected.shape
             and actual.dtype == expected.dtype
-            and torch.equal(raw(actual), raw(expected))
+            and torch.equal(_raw(actual), _raw(expected))
         )
     else:
         same = actual == expected

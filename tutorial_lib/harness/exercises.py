@@ -49,12 +49,15 @@ def check_answer(answer, expected, what: str, *, rel_tol: float = 0.0) -> None:
     """The body of an exercise-check cell.
 
     ``answer is None`` (not answered yet): prints what to do and passes. Otherwise asserts
-    ``answer == expected`` (numbers: within ``rel_tol`` relative to ``expected``), with a pass line.
+    ``answer == expected`` (numbers: within ``rel_tol`` relative to ``expected``; a bool only matches a
+    bool), with a pass line.
     """
     if answer is None:
         print(f"{NOT_ATTEMPTED} {what} -- edit the cell above, then run it and this one", flush=True)
         return
-    if isinstance(expected, (int, float)) and not isinstance(expected, bool) and rel_tol:
+    if isinstance(answer, bool) != isinstance(expected, bool):  # True is no count, 1 is no yes/no answer
+        ok = False
+    elif isinstance(expected, (int, float)) and not isinstance(expected, bool) and rel_tol:
         ok = isinstance(answer, (int, float)) and abs(answer - expected) <= rel_tol * abs(expected)
     else:
         ok = answer == expected

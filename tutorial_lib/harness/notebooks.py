@@ -229,13 +229,13 @@ def run_lesson(
         prepared, n_exercises = nbformat.read(path, as_version=4), 0
     source = out_dir / f".{path.stem}.prepared.ipynb"
     nbformat.write(prepared, source)
+    # inherited by the kernel papermill starts, and restored afterwards: the caller's environment stays as it was
+    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", PROGRESS_ENV)}
     if params["device"] == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # inherited by the kernel papermill starts
+        os.environ["TRITON_INTERPRET"] = "1"
     # an executed notebook keeps every progress refresh as an output: quiet bars there (a kernel started
     # from inside JupyterLab would otherwise pick widgets, whose state would land in the executed copy)
-    ours = PROGRESS_ENV not in os.environ
-    if ours:
-        os.environ[PROGRESS_ENV] = "quiet"
+    os.environ.setdefault(PROGRESS_ENV, "quiet")
     start = time.monotonic()
     try:
         papermill.execute_notebook(
@@ -246,8 +246,11 @@ def run_lesson(
         raise LessonFailed(f"{path.name} failed ({params}):\n{_describe_failure(exc)}") from None
     finally:
         source.unlink(missing_ok=True)
-        if ours:  # leave the caller's environment as it was
-            os.environ.pop(PROGRESS_ENV, None)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     seconds = time.monotonic() - start
     try:
         done = nbformat.read(executed, as_version=4)
@@ -279,14 +282,22 @@ def render_html(executed: list[Path], html_dir: Path) -> Path:
     return index
 
 
+_RUN_METADATA = ("papermill", "widgets")  # a run's residue: papermill's timings and paths, saved widget state
+
+
 def strip_outputs(path: str | Path) -> bool:
-    """Remove outputs and execution counts in place; return True if the file changed."""
+    """Remove outputs, execution counts and run metadata (papermill's, saved widget state) in place; cell ids
+    stay. Return True if the file changed."""
     nb = nbformat.read(path, as_version=4)
     changed = False
+    for key in _RUN_METADATA:
+        if key in nb.metadata:
+            del nb.metadata[key]
+            changed = True
     for cell in nb.cells:
         if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None):
             cell.outputs, cell.execution_count, changed = [], None, True
-        for key in ("execution", "collapsed", "scrolled"):
+        for key in ("execution", "collapsed", "scrolled", "papermill"):
             if key in cell.metadata:
                 del cell.metadata[key]
                 changed = True
@@ -296,9 +307,11 @@ def strip_outputs(path: str | Path) -> bool:
 
 
 def has_outputs(path: str | Path) -> bool:
-    """True if a notebook carries outputs or execution counts (committed notebooks must not)."""
+    """True if a notebook carries outputs, execution counts or run metadata (committed notebooks must not)."""
     nb = nbformat.read(path, as_version=4)
-    return any(c.cell_type == "code" and (c.outputs or c.execution_count is not None) for c in nb.cells)
+    return any(k in nb.metadata for k in _RUN_METADATA) or any(
+        (c.cell_type == "code" and (c.outputs or c.execution_count is not None)) or "papermill" in c.metadata
+        for c in nb.cells)
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -315,6 +328,8 @@ def _main(argv: list[str] | None = None) -> int:
     run.add_argument("--out", type=Path, default=DEFAULT_OUT)
     run.add_argument("--cell-timeout", type=float, default=900)
     run.add_argument("--no-html", action="store_true")
+    run.add_argument("--unanswered", action="store_true",
+                     help="leave the exercises unanswered, as a reader first sees them (what `render --from` takes)")
     run.add_argument("-p", "--param", dest="params", action="append", default=[], metavar="NAME=VALUE",
                      help="set one of the lesson's own parameters (e.g. -p steps=100; repeatable); VALUE is read "
                           "as a Python literal where it is one")
@@ -341,7 +356,8 @@ def _main(argv: list[str] | None = None) -> int:
     for p in paths:  # each lesson prints its own line when done: that is the progress report
         try:
             r = run_lesson(p, args.out / "executed", device=args.device, world_size=args.world_size,
-                           quick=args.quick, cell_timeout=args.cell_timeout, extra_parameters=extra)
+                           quick=args.quick, cell_timeout=args.cell_timeout, extra_parameters=extra,
+                           solve_exercises=not args.unanswered)
         except LessonFailed as exc:
             failures.append(p.name)
             print(f"FAIL {p.name}\n{exc}", file=sys.stderr, flush=True)

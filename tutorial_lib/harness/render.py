@@ -4,7 +4,7 @@ A code host displays an ``.ipynb`` with its outputs, so a rendered copy is the l
 cleaned up for reading::
 
     python -m tutorial_lib.harness.render --device cuda --world-size 2 --full   # on a GPU node: every lesson
-    python -m tutorial_lib.harness.render --from output/executed                # reuse `make lessons` output
+    python -m tutorial_lib.harness.render --from output/executed                # reuse `make lessons ARGS=--unanswered`
     python -m tutorial_lib.harness.render --check                               # stale copies? (exit 1)
 
     lesson --papermill (notebooks.run_lesson)--> executed .ipynb --render_notebook--> docs/rendered/NN_x.ipynb
@@ -102,28 +102,59 @@ _SHOWN_HEADER = re.compile(r"# ((?:tutorial_lib|kernels)/\S+\.py):\d+$")  # harn
 _SHOWN_LINE = re.compile(r"\s*\d+(?:  (.*))?$")  # "<number>  <the line>" (an empty line: the number alone)
 
 
+def _shown_blocks(text: str) -> list[tuple[str, list[list[str]]]]:
+    """The ``show_source`` blocks in a printed text: ``(path, runs)``, each run the texts of consecutively
+    numbered lines (a docstring left out splits the function into two runs)."""
+    blocks, runs, last = [], None, 0
+    for line in text.splitlines():
+        header = _SHOWN_HEADER.match(line)
+        if header:
+            runs, last = [], 0
+            blocks.append((header.group(1), runs))
+            continue
+        shown = _SHOWN_LINE.match(line) if runs is not None else None
+        number = int(line.split()[0]) if shown is not None else 0
+        if shown is None or number <= last:
+            runs = None  # the block ended: other output follows
+            continue
+        if number != last + 1 or not runs:
+            runs.append([])
+        runs[-1].append((shown.group(1) or "").rstrip())
+        last = number
+    return blocks
+
+
+def _run_missing(runs: list[list[str]], lines: list[str], path: str) -> str | None:
+    """None if every run of shown lines is, in order, a stretch of ``lines`` (line numbers aside); else
+    the first shown line that is gone, or the first line of a run whose stretch changed."""
+    lines = [line.rstrip() for line in lines]
+    present, pos = set(lines), 0
+    for run in runs:
+        gone = next((x for x in run if x not in present), None)
+        if gone is not None:
+            return f"a line {path} no longer has: {gone.strip()[:60]!r}"
+        at = next((j for j in range(pos, len(lines) - len(run) + 1) if lines[j:j + len(run)] == run), None)
+        if at is None:
+            return (f"lines of {path} no longer as shown (changed, moved or added among them) from "
+                    f"{run[0].strip()[:60]!r}")
+        pos = at + len(run)
+    return None
+
+
 def shown_code_gone(rendered, root: Path = REPO_ROOT, limit: int = 3) -> list[str]:
-    """Library lines a rendered copy shows (``show_source`` outputs: ``# file:line`` then numbered lines)
-    that its file no longer contains: the copy displays code that is gone. Line NUMBERS may drift as code
-    above moves; only the text counts. At most ``limit`` problems."""
+    """Library code a rendered copy shows (``show_source`` outputs: ``# file:line`` then numbered lines) that
+    its file no longer holds as shown: a line changed or gone, or lines added, removed or reordered among
+    the shown ones. Line NUMBERS may drift as code above moves; only the text counts. At most ``limit``
+    problems."""
     problems = []
     for i, cell in enumerate(rendered.cells):
         for out in cell.get("outputs", []):
             text = out.get("text") if out.get("output_type") == "stream" else None
-            lines, path = None, None
-            for line in (text or "").splitlines():
-                header = _SHOWN_HEADER.match(line)
-                if header:
-                    path = header.group(1)
-                    file = root / path
-                    lines = set(file.read_text().splitlines()) if file.exists() else set()
-                    continue
-                shown = _SHOWN_LINE.match(line) if lines is not None else None
-                if shown is None:
-                    lines = None  # the block ended: other output follows
-                elif (shown.group(1) or "").rstrip() not in lines:
-                    problems.append(f"cell {i} shows a line {path} no longer has: {shown.group(1).strip()[:60]!r}")
-                    lines = None  # one problem per shown block
+            for path, runs in _shown_blocks(text or ""):
+                file = root / path
+                missing = _run_missing(runs, file.read_text().splitlines() if file.exists() else [], path)
+                if missing is not None:
+                    problems.append(f"cell {i} shows {missing}")
                     if len(problems) == limit:
                         return problems
     return problems
@@ -247,6 +278,9 @@ def render_notebook(executed: Path, source: Path, target: Path, meta: dict | Non
         verify_executed(nb)
     except LessonFailed as exc:
         raise RenderError(f"{executed}: not a passing run: {exc}") from None
+    if any("exercise-probe" in c.get("metadata", {}).get("tags", []) for c in nb.cells):
+        raise RenderError(f"{executed} ran with the exercises' solutions filled in; a rendered copy shows them "
+                          f"unanswered (run the lessons with `notebooks run --unanswered`)")
     stale = stale_cells(nb, nbformat.read(source, as_version=4))
     if stale:
         raise RenderError(f"{executed} was executed from another version of {source.name}: {'; '.join(stale)}")
@@ -320,7 +354,8 @@ def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tutorial_lib.harness.render", description=__doc__.split("\n")[0])
     parser.add_argument("paths", nargs="*", type=Path, help="lessons to render (default: all in notebooks/)")
     parser.add_argument("--from", dest="from_dir", type=Path, default=None,
-                        help="take executed notebooks from this folder (e.g. output/executed) instead of running them")
+                        help="take executed notebooks from this folder (e.g. output/executed of a `notebooks run "
+                             "--unanswered`) instead of running them")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--world-size", type=int, default=None)
     mode = parser.add_mutually_exclusive_group()
