@@ -3,6 +3,8 @@
 import json
 import subprocess
 
+import pytest
+
 from tutorial_lib.harness import bench
 from tutorial_lib.harness.code_version import REPO_ROOT, code_version, source_digest
 
@@ -29,6 +31,23 @@ def test_the_digest_follows_the_sources_and_nothing_else(tmp_path):
     (root / "kernels" / "k.py").write_text("y = 2\n")
     (root / "kernels" / "k.py").rename(root / "kernels" / "k2.py")
     assert source_digest(root) != first, "a moved file is other code too (paths are hashed)"
+
+
+def test_an_installed_copy_digests_its_kernels_under_their_checkout_name(tmp_path):
+    (tmp_path / "checkout").mkdir()
+    checkout, installed = _tree(tmp_path / "checkout"), tmp_path / "site-packages"
+    (installed / "tutorial_lib").mkdir(parents=True)
+    (installed / "tutorial_kernels").mkdir()
+    (installed / "tutorial_lib" / "a.py").write_text("x = 1\n")
+    (installed / "tutorial_kernels" / "k.py").write_text("y = 2\n")
+    assert source_digest(installed) == source_digest(checkout), "the same code, installed"
+    (installed / "tutorial_kernels" / "k.py").write_text("y = 3\n")
+    assert source_digest(installed) != source_digest(checkout), "the installed kernels count"
+
+
+def test_a_folder_without_sources_has_no_digest(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no Python sources"):
+        source_digest(tmp_path)
 
 
 def test_without_git_the_commit_is_unknown_and_the_digest_still_there(tmp_path):

@@ -22,13 +22,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import subprocess
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 # the checkout (or installed tree) this package sits in; notebooks, render and bench take it from here. Defined
 # in this leaf, not in ``notebooks``: importing ``tutorial_lib`` imports this module (through ``bench``), and a
 # module imported by the package cannot also run cleanly as ``python -m tutorial_lib.harness.notebooks``.
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SOURCE_DIRS = ("tutorial_lib", "kernels", "benchmarks")
+INSTALLED_AS = {"kernels": "tutorial_kernels"}  # an installed (non-editable) copy holds kernels/ under this name
 
 __all__ = ["CodeVersion", "code_version", "source_digest"]
 
@@ -48,12 +49,25 @@ class CodeVersion:
 
 def source_digest(root: Path = REPO_ROOT, dirs: tuple[str, ...] = SOURCE_DIRS) -> str:
     """sha256 over every ``*.py`` below ``root/<dirs>``, each as its relative path and its bytes, in path
-    order; the first 12 hex digits. Caches (``__pycache__``) are not sources and are skipped."""
+    order; the first 12 hex digits. Caches (``__pycache__``) are not sources and are skipped. In an
+    installed copy, ``kernels/`` is read from ``tutorial_kernels/`` under its checkout name, so the same
+    kernels give the same digest. No source file at all is an error, not the digest of nothing."""
+    root = Path(root)
+    files = {}  # the name hashed (as in a checkout) -> the file
+    for d in dirs:
+        base = root / d
+        if not base.is_dir() and d in INSTALLED_AS and (root / INSTALLED_AS[d]).is_dir():
+            base = root / INSTALLED_AS[d]
+        for p in base.rglob("*.py"):
+            if "__pycache__" not in p.parts:
+                files[PurePosixPath(d, p.relative_to(base).as_posix())] = p
+    if not files:
+        raise FileNotFoundError(f"no Python sources below {root} in {', '.join(dirs)}: not a checkout or an "
+                                "installed copy of this project")
     h = hashlib.sha256()
-    files = sorted(p for d in dirs for p in (Path(root) / d).rglob("*.py") if "__pycache__" not in p.parts)
-    for p in files:
-        h.update(p.relative_to(root).as_posix().encode() + b"\0")
-        h.update(p.read_bytes() + b"\0")
+    for name in sorted(files):
+        h.update(str(name).encode() + b"\0")
+        h.update(files[name].read_bytes() + b"\0")
     return h.hexdigest()[:12]
 
 
