@@ -212,6 +212,22 @@ def test_a_resume_drops_the_metrics_it_writes_again(tmp_path):
     assert not os.path.exists(f"{path}.tmp")
 
 
+def test_a_fresh_run_starts_a_new_metrics_file(tmp_path):
+    """A second run (not a resume) into the same place: the file holds that run alone, as its run.json does."""
+    path = tmp_path / "m.jsonl"
+    first = MetricsLog(path)
+    first.begin(0, format="bf16")
+    first.write("train", step=1, loss=3.0)
+    first.write("end", step=1, val_loss=3.0)
+    MetricsLog(path, enabled=False).begin(0, format="fp8")   # other ranks leave rank 0's file alone
+    assert len(read_metrics(path)) == 3
+    second = MetricsLog(path)
+    second.begin(0, format="fp8")
+    second.write("train", step=1, loss=2.0)
+    assert [(r["event"], r.get("format"), r.get("loss")) for r in read_metrics(path)] == [
+        ("start", "fp8", None), ("train", None, 2.0)]
+
+
 def test_metrics_are_strict_json_without_nan(tmp_path):
     MetricsLog(tmp_path / "m.jsonl").write("end", tokens_per_s=float("nan"), per_rank=[1.0, float("inf")])
     assert read_metrics(tmp_path / "m.jsonl") == [{"event": "end", "tokens_per_s": None, "per_rank": [1.0, None]}]

@@ -1,7 +1,8 @@
 """What a training run measures and where it goes: a JSON-lines file, one record per event.
 
-``<out>/metrics.jsonl`` (rank 0 writes; a resumed run appends, after dropping the records of the steps it
-runs again -- those past its checkpoint, and the "end" -- so that every step has one record)::
+``<out>/metrics.jsonl`` (rank 0 writes; a fresh run starts the file anew; a resumed run appends, after
+dropping the records of the steps it runs again -- those past its checkpoint, and the "end" -- so that
+every step has one record)::
 
     {"event": "start", "format": "fp8", "matmul": "...", "world_size": 2, "n_params": ..., "config": {...}}
     {"event": "train", "step": 10, "loss": 2.71, "lr": ..., "tokens_per_s": ..., "step_ms": ...,
@@ -56,9 +57,12 @@ class MetricsLog:
         return record
 
     def begin(self, start_step: int, **fields) -> dict:
-        """Write the "start" record of a run that begins after ``start_step`` steps. A resume (``start_step``
-        > 0) first drops the records it writes again: every step after ``start_step`` (logged before a crash)
-        and the "end" record; the file is replaced in one ``os.replace`` (never half rewritten)."""
+        """Write the "start" record of a run that begins after ``start_step`` steps. A fresh run
+        (``start_step`` 0) starts a new file: the records of an earlier run into the same place are gone. A
+        resume first drops the records it writes again: every step after ``start_step`` (logged before a
+        crash) and the "end" record; the file is replaced in one ``os.replace`` (never half rewritten)."""
+        if self.enabled and start_step == 0 and os.path.exists(self.path):
+            os.remove(self.path)  # a fresh run, as its run.json: one run per file
         if self.enabled and start_step > 0 and os.path.exists(self.path):
             with open(self.path) as fh:
                 lines = [line for line in fh if line.strip()]
