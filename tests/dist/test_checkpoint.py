@@ -626,3 +626,37 @@ def test_an_export_to_a_path_that_is_not_a_path_fails_with_the_reason():
 
     with pytest.raises(RuntimeError, match="export to None failed on rank 0: TypeError"):
         export_fp32_safetensors(nn.Linear(4, 4), None)
+
+
+def test_a_checkpoint_of_a_model_with_an_unused_layer_loads_every_optimizer_state(tmp_path):
+    """A layer that never gets a grad (unused in forward): FusedAdam keeps step-0 state for it, so the
+    checkpoint holds every trainable parameter's state, and loading (which creates every entry first, as
+    ``init_optimizer_state`` does) finds them all; a resumed step matches the uninterrupted one exactly."""
+    from tutorial_lib.dist.training_state import TrainingState
+    from tutorial_lib.optim.fused_adam import FusedAdam
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton kernels take GPU tensors only
+
+    def make():
+        torch.manual_seed(0)
+        with torch.device(dev):
+            model = nn.ModuleDict({"used": nn.Linear(4, 4), "unused": nn.Linear(4, 4)})
+        return model, FusedAdam(model.parameters(), lr=0.1)
+
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1)).to(dev)
+
+    def step(model, opt):
+        model["used"](x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = make()
+    step(model, opt)
+    save_checkpoint({"train": TrainingState(model, opt)}, str(tmp_path / "ck"))
+    model2, opt2 = make()
+    load_checkpoint({"train": TrainingState(model2, opt2)}, str(tmp_path / "ck"))
+    assert sorted(float(st["step"]) for st in opt2.state.values()) == [0.0, 0.0, 1.0, 1.0]
+    step(model, opt)
+    step(model2, opt2)
+    for (name, a), b in zip(model.named_parameters(), model2.parameters()):
+        assert torch.equal(a, b), name

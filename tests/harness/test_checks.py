@@ -22,10 +22,14 @@ def test_check_accepts_booleans(capsys):
 
 def test_check_close_refuses_to_compare_nothing():
     with pytest.raises(SelfCheckError, match="nothing to compare"):
-        check_close(torch.empty(0), torch.empty(0), rtol=0, atol=0, what="empty")
-    with pytest.raises(SelfCheckError, match="nothing to compare"):
         check_close([], [], rtol=0, atol=0, what="empty lists")
+    with pytest.raises(SelfCheckError, match="nothing to compare"):
+        check_close({}, {}, rtol=0, atol=0, what="empty dicts")
     check_close(torch.ones(2), torch.ones(2), rtol=0, atol=0, what="two values")
+    # an empty tensor is compared by shape, dtype and device (a lesson checks a kernel on shape (0,))
+    check_close(torch.empty(0), torch.empty(0), rtol=0, atol=0, what="empty tensors")
+    with pytest.raises(SelfCheckError):
+        check_close(torch.empty(0), torch.empty(0, 3), rtol=0, atol=0, what="empty tensors of other shapes")
 
 
 def test_check_close_uses_its_tolerances():

@@ -38,3 +38,20 @@ def grads_placed_unlike_params() -> dict:
         except ValueError as e:
             out[name] = str(e)
     return out
+
+
+def fp8_grad_on_some_ranks_only() -> dict:
+    """Two delayed-scaling FP8 parameters whose quantizers all-reduce over the world; rank 0 has a grad for
+    both, rank 1 for the first only: both ranks must issue the same amax all-reduce (the same buckets)."""
+    from tutorial_lib.quant.float8 import DelayedScaling
+
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(DelayedScaling("e4m3", history_len=4, group=dist.group.WORLD)
+                             .quantize(torch.randn(4, 32, generator=gen))) for _ in range(2)]
+    opt = FusedAdam(ps, lr=0.1, master_weights=True)
+    for i, p in enumerate(ps):
+        g = torch.randn(4, 32, generator=gen)
+        p.grad = g if dist.get_rank() == 0 or i == 0 else None
+    opt.step()
+    return {"history0": ps[0].quantizer.amax_history.tolist(),
+            "steps": [opt.state[p]["step"].item() if p in opt.state else None for p in ps]}

@@ -372,13 +372,14 @@ def test_init_state_creates_state_without_updating_anything():
             assert torch.equal(a.detach(), b.detach())
 
 
-def test_step_without_grads_creates_no_state_like_torch():
-    """torch.optim.AdamW creates a parameter's state at its first grad (``init_state()`` creates it earlier)."""
+def test_step_without_grads_still_creates_state():
+    """Unlike torch.optim.AdamW (state at a parameter's first grad), every trainable parameter gets step-0 state
+    when the plan is built: the same buckets on every rank, and checkpoints that hold every parameter's state."""
     p = _params([(5,)], 6)[0]
     before = p.detach().clone()
     opt = FusedAdam([p], lr=LR, weight_decay=WD)
     opt.step()
-    assert p not in opt.state and not opt.state_dict()["state"] and torch.equal(p.detach(), before)
+    assert opt.state[p]["step"].item() == 0.0 and torch.equal(p.detach(), before)
 
 
 @pytest.mark.parametrize("factory", [lambda: CurrentScaling("e4m3"), lambda: MXFP8Quantizer()],

@@ -160,19 +160,16 @@ def test_tensor_betas_as_torch_accepts_them(capturable):
 
 def test_delayed_scaling_fp8_bucket_without_any_grad_this_step():
     """A step where the group's delayed-scaling FP8 parameters have no grad (an unused layer) but another
-    parameter has one: the FP8 parameters keep bytes, scale and amax history; their step counts stay 1."""
+    parameter has one: the FP8 parameters keep bytes, scale and amax history; their step counts stay 0."""
     dense = torch.nn.Parameter(torch.randn(8, device=DEV))
     fp8 = [torch.nn.Parameter(DelayedScaling("e4m3", history_len=4).quantize(torch.randn(4, 32).to(DEV)))
            for _ in range(2)]
     opt = FusedAdam([dense] + fp8, lr=LR, master_weights=True)
-    for p in [dense] + fp8:  # a first step with every grad: the FP8 bucket exists
-        p.grad = torch.ones(p.shape, device=DEV)
-    opt.step()
-    fp8[0].grad = fp8[1].grad = None
     before = [({k: v.clone() for k, v in p.raw_buffers().items()}, p.quantizer.amax_history.clone()) for p in fp8]
+    dense.grad = torch.ones(8, device=DEV)
     opt.step()
     assert opt.routes() == [["fp32", "fp8_fused", "fp8_fused"]]
-    assert [opt.state[p]["step"].item() for p in [dense] + fp8] == [2.0, 1.0, 1.0]
+    assert [opt.state[p]["step"].item() for p in [dense] + fp8] == [1.0, 0.0, 0.0]
     for p, (bufs, history) in zip(fp8, before):
         assert all(torch.equal(v, bufs[k]) for k, v in p.raw_buffers().items())
         assert torch.equal(p.quantizer.amax_history, history)
@@ -186,3 +183,13 @@ def test_dtensor_grads_placed_unlike_their_params_are_refused():
         assert r["placed_alike_error"] <= adamw_tolerance(1, 16.0, 0.1)
         assert "Partial(sum)" in r["partial"] and "Replicate()" in r["partial"]
         assert "Shard(dim=1)" in r["shard1"] and "Shard(dim=0)" in r["shard1"]
+
+
+@pytest.mark.distributed
+def test_fp8_parameter_with_a_grad_on_some_ranks_only_issues_the_same_all_reduce():
+    """A quantizer that all-reduces amaxes puts its parameter in every rank's plan, grad or not: a rank
+    without the grad leaving it out would issue a smaller all-reduce (or none), and the step would hang."""
+    r0, r1 = launch(arf.fp8_grad_on_some_ranks_only, world_size=2, device="cpu", timeout=120,
+                    collective_timeout=20)
+    assert r0["history0"] == r1["history0"]
+    assert r0["steps"] == [1.0, 1.0] and r1["steps"] == [1.0, 0.0]

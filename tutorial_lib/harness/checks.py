@@ -45,10 +45,11 @@ def check(condition, message: str) -> None:
 
 
 def check_close(actual, expected, *, rtol: float, atol: float, what: str) -> None:
-    """``torch.testing.assert_close`` with a pass line; the failure message names ``what``. Comparing no
-    values at all (empty tensors) fails: it would assert nothing."""
+    """``torch.testing.assert_close`` with a pass line; the failure message names ``what``. Comparing
+    nothing at all (empty lists or dicts on both sides) fails: it would assert nothing. An empty tensor is
+    something: its shape, dtype and device are compared."""
     if _count(actual) == 0 and _count(expected) == 0:
-        raise SelfCheckError(f"{FAIL_MARK} {what}: nothing to compare (both sides are empty)")
+        raise SelfCheckError(f"{FAIL_MARK} {what}: nothing to compare (both sides are empty containers)")
     try:
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
     except AssertionError as exc:
@@ -57,9 +58,9 @@ def check_close(actual, expected, *, rtol: float, atol: float, what: str) -> Non
 
 
 def _count(x) -> int:
-    """How many values ``assert_close`` would compare in ``x`` (tensors, numbers, nested sequences/dicts)."""
+    """How many tensors and numbers ``assert_close`` would compare in ``x`` (nested sequences/dicts)."""
     if isinstance(x, torch.Tensor):
-        return x.numel()
+        return 1
     if isinstance(x, dict):
         return sum(_count(v) for v in x.values())
     if isinstance(x, (list, tuple)):

@@ -33,9 +33,13 @@ Per param group a :class:`~tutorial_lib.optim.fused_adam_plan.Plan` builds the k
 (new storage? where are the grads? are new grads valid?) and writes two step scalars -- never a
 kernel launch or a DTensor op per parameter; ``tutorial_lib.optim.fused_adam_plan`` lists the passes.
 The tables are rebuilt when a parameter gets new storage (``p.data = ...``, FSDP2's lazy init), and
-when a parameter without a grad and without state at build time gets a grad: like
-``torch.optim.AdamW``, a step updates exactly the parameters whose grad is not None (state created
-at the first one), and a parameter without a grad keeps its values, state and step count.
+when a parameter frozen at build time (``requires_grad=False``, no grad) gets a grad: like
+``torch.optim.AdamW``, a step updates exactly the parameters whose grad is not None, and a parameter
+without a grad keeps its values, state and step count. Unlike torch, which creates a parameter's state
+at its first grad, every trainable parameter gets its state (``step`` 0) when the plan is built: so
+every rank plans the same buckets whichever grads it holds (an FP8 bucket's amax all-reduce must
+match across ranks), and a checkpoint holds the state of every trainable parameter, used or not, which
+loading needs (a step-0 entry continues in ``torch.optim.AdamW`` exactly as no entry would).
 
 Optimizer state (``self.state[p]``), all fp32, DTensors with ``p``'s mesh and placements when
 ``p`` is a DTensor, so DCP saves and reshards it like the parameters::
@@ -246,7 +250,7 @@ class FusedAdam(torch.optim.Optimizer):
         self._drop_removed_plans()
         for gi, group in enumerate(self.param_groups):
             if any(planned_param(p) and not self.state.get(p) for p in group["params"]):
-                self._plans[gi] = Plan(group, self._init_state, planned_param)
+                self._plans[gi] = Plan(group, self._init_state)
                 self._graph = None  # a new plan: new step counters and tables
             else:
                 self._plan(gi, group)
@@ -272,17 +276,12 @@ class FusedAdam(torch.optim.Optimizer):
         for gi in [gi for gi in self._plans if gi >= len(self.param_groups)]:
             del self._plans[gi]
 
-    def _stepped(self, p: torch.Tensor) -> bool:
-        """Does a step cover ``p``: a grad now, or state already (torch.optim.AdamW creates state at a
-        parameter's first grad: a parameter that never had one gets none)."""
-        return p.grad is not None or bool(self.state.get(p))
-
     def _plan(self, gi: int, group: dict) -> Plan:
         """The group's cached plan; built (creating missing state) on first use or after new storage."""
         plan = self._plans.get(gi)
         if plan is None or not plan.built_for(group) or not plan.same_params(group) or plan.stale():
             # first step, param_groups edited, or a parameter got new storage (p.data = ..., FSDP2 lazy init)
-            plan = self._plans[gi] = Plan(group, self._init_state, self._stepped)
+            plan = self._plans[gi] = Plan(group, self._init_state)
         return plan
 
     def _prepare(self, gi: int, group: dict) -> tuple[Plan, list] | None:

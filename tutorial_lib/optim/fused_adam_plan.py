@@ -107,21 +107,20 @@ class Plan:
       with two ``fill_``; otherwise a per-parameter table (:func:`adam_step_scalars_tensor`).
     """
 
-    def __init__(self, group: dict, init_state: Callable[[torch.Tensor, torch.Tensor, str], dict],
-                 cover: Callable[[torch.Tensor], bool] = planned_param):
+    def __init__(self, group: dict, init_state: Callable[[torch.Tensor, torch.Tensor, str], dict]):
         """``group`` keys used besides torch's: ``master_weights``, ``block``, ``capturable``
         (device-side step scalars), ``fuse_requantize`` (block formats and current-scaled FP8 requantized
         by the kernels) and ``batch_amax_reduce`` (False: current-scaled FP8 is not fused, one all-reduce
-        per parameter). ``cover(p)``: does the plan take ``p`` in (``init_state`` creates its state)."""
+        per parameter)."""
         for key in ("amsgrad", "maximize"):  # e.g. hyper-parameters loaded from a torch.optim.AdamW state
             if group.get(key):
                 raise ValueError(f"FusedAdam does not implement {key}=True (found in a param group)")
-        # torch.optim steps a parameter whenever it has a grad. The plan covers the parameters ``cover``
-        # names (FusedAdam's step: a grad now, or state already); the others are watched by stale(), so a
-        # parameter joins at the step it first has a grad (with fresh state, as in torch).
+        # torch.optim steps a parameter whenever it has a grad. The plan covers the parameters that
+        # may get one (requires_grad, or a grad already set); the others are watched by stale(), so
+        # a parameter unfrozen later joins at the step it first has a grad (with fresh state, as in torch).
         self.group, self.group_params, self.n_group_params = group, group["params"], len(group["params"])
         self.group_snapshot = list(group["params"])  # the parameter objects, for same_params()
-        covered = list(map(cover, group["params"]))
+        covered = list(map(planned_param, group["params"]))
         self.params = list(itertools.compress(group["params"], covered))
         self.left_out = [p for p, c in zip(group["params"], covered) if not c]
         if len(set(map(id, group["params"]))) != self.n_group_params:  # one launch would update it twice, racing

@@ -105,9 +105,9 @@ def fused_block_format(local: torch.Tensor) -> tuple[str, str] | None:
 
 
 def planned_param(p: torch.Tensor) -> bool:
-    """Is ``p`` trainable: ``requires_grad``, or a grad already set. ``FusedAdam.init_state`` creates
-    state for these parameters; a step covers those with a grad or state (as ``torch.optim.AdamW``,
-    which creates state at a parameter's first grad and updates every parameter whose grad is not None)."""
+    """Does a :class:`~tutorial_lib.optim.fused_adam_plan.Plan` cover ``p``: ``requires_grad``, or a grad
+    already set. A parameter left out (frozen, no grad) is watched per step and joins the plan when it gets
+    a grad -- as ``torch.optim.AdamW``, which updates every parameter whose grad is not None at that step."""
     return p.requires_grad or p.grad is not None
 
 
