@@ -26,15 +26,16 @@ from tutorial_lib.train.loop import STEP_PHASES, TrainConfig, build_model_and_op
 FORMATS = ("bf16", *FORMAT_NAMES)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU: compiled kernels, the waits are real
 FORWARD_BACKWARD_SYNCS = 0  # measured: no read of device data while the step computes loss and gradients
-OPTIMIZER_SYNCS = {fmt: 0 if DEV == "cuda" else 3 if fmt == "bf16" else 4 for fmt in FORMATS}
-"""Measured. On a GPU (one H200): none -- CUDA's caching allocator gives the next step's grads the addresses
-the freed ones had, so FusedAdam's grad-address tables need no refresh. On the CPU FusedAdam refreshes them every
-step (zero_grad(set_to_none=True) frees the grads, and the next step's live elsewhere): ``Plan.refresh_grads``
-reads ``bool(has_grad.any())`` and
-``bool(has_grad.all())``, and ``tutorial_kernels.adam_tables.set_grads`` one ``bool(aligned.all())`` per
-bucket (bf16: one bucket; quantized formats: two, the plain parameters and the quantized weights). All three
-read host-resident int64 tables, so on a GPU none of them waits for the device. A change of the optimizer
-that adds or removes one must update this number."""
+OPTIMIZER_SYNCS = {fmt: 3 if fmt == "bf16" else 4 for fmt in FORMATS}
+"""Measured: the host-table reads of a step whose grads moved. FusedAdam refreshes its grad-address tables
+when a grad lives at a new address (zero_grad(set_to_none=True) frees the grads; where the next step's land is
+the allocator's choice): ``Plan.refresh_grads`` reads ``bool(has_grad.any())`` and ``bool(has_grad.all())``,
+and ``tutorial_kernels.adam_tables.set_grads`` one ``bool(aligned.all())`` per bucket (bf16: one bucket;
+quantized formats: two, the plain parameters and the quantized weights). All three read host-resident int64
+tables, so on a GPU none of them waits for the device. When every grad comes back at its old address there is
+no refresh and no read: CUDA's caching allocator does that (0 measured on one H200), the CPU's malloc often
+but not always (it depends on what ran before in the process). So a step makes either none or exactly these;
+a change of the optimizer that adds or removes one must update this number."""
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def test_a_steady_state_train_step_reads_nothing_back_in_forward_and_backward(on
     optimizer = phases["train.optimizer"]
     assert all(e.device == "cpu" for e in optimizer.events), f"{fmt}: the optimizer reads device data:\n" + \
         optimizer.report()
-    assert optimizer.total == OPTIMIZER_SYNCS[fmt], optimizer.report()
+    assert optimizer.total in (0, OPTIMIZER_SYNCS[fmt]), optimizer.report()  # no refresh, or one refresh
 
 
 def test_an_item_added_to_a_layer_is_caught(one_rank, monkeypatch):
