@@ -99,8 +99,8 @@ def main(argv=None) -> None:
         speed = bf16.step_ms / v.step_ms
         what = "reference" if v.name == "bf16" else "vs bf16"
         c = case(f"FSDP2 training step (fwd+bwd+FusedAdam), {v.name}: {v.label}, {what} ({size})", v.step_ms,
-                 peers={} if v.name == "bf16" else {"bf16": bf16.step_ms, **peers}, nbytes=0, copy_GBps=copy)
-        c["timing"] = "latency"  # median_ms_all_ranks: each step from a synchronised, idle device
+                 peers={} if v.name == "bf16" else {"bf16": bf16.step_ms, **peers}, nbytes=0, copy_GBps=copy,
+                 timing="latency")  # median_ms_all_ranks: each step from a synchronised, idle device
         c.update({"tflops": float(f"{v.tflops:.3g}"), "variant": v.name, "weight_format": v.weight_format,
                   "optimizer": v.optimizer, "speed_vs_bf16": round(speed, 4),
                   "phases_ms": {p: round(getattr(v.phases, p), 4) for p in PHASES},

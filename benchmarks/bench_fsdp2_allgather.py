@@ -75,18 +75,16 @@ def main(argv=None) -> None:
     }
     size = f"{r.params / 1e9:.2f}B params, {dims[2]} blocks {dims[0]}->{dims[1]}->{dims[0]}, 2 ranks"
     received = fp8.gather.received
-    cases = [
+    cases = [  # median_ms_all_ranks: each call from a synchronised, idle device
         case(f"all-gathers of one step, replayed alone, FP8 vs bf16 ({size})", fp8.allgather_replay_ms,
-             peers={"bf16": bf16.allgather_replay_ms}, nbytes=received, copy_GBps=copy),
+             peers={"bf16": bf16.allgather_replay_ms}, nbytes=received, copy_GBps=copy, timing="latency"),
         case(f"forward+backward step, FP8 weights vs bf16 ({size}, {tokens} tokens/rank)", fp8.step_ms,
-             peers={"bf16": bf16.step_ms}, nbytes=received, copy_GBps=copy),
+             peers={"bf16": bf16.step_ms}, nbytes=received, copy_GBps=copy, timing="latency"),
     ]
-    for c in cases:
-        c["timing"] = "latency"  # median_ms_all_ranks: each call from a synchronised, idle device
     if fp8.allgather_kernel_ms_in_step and bf16.allgather_kernel_ms_in_step:  # the CUDA profiler found them
         cases.insert(1, case(f"all-gather kernels inside a step (profiler), FP8 vs bf16 ({size})",
                              fp8.allgather_kernel_ms_in_step, peers={"bf16": bf16.allgather_kernel_ms_in_step},
-                             nbytes=received, copy_GBps=copy) | {"timing": "kernels"})
+                             nbytes=received, copy_GBps=copy))
     extra = {
         "quick": args.quick, "world_size": 2, "params": r.params, "tokens_per_rank": tokens, "reps": reps,
         "bytes_per_step": {"fp8": fp8_bytes, "bf16": bf16_bytes, "fp8_over_bf16": fp8_bytes / bf16_bytes},

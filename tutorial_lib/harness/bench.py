@@ -272,16 +272,16 @@ def alternating_case(name: str, ours: Callable[[], object], peers: dict[str, Cal
     if "ours" in peers:
         raise ValueError("'ours' is reserved for our own timing; rename the peer")
     times = time_rounds({"ours": ours, **peers}, rounds, warmup=warmup, rep=rep, latency=latency)
-    return {**case_from_rounds(name, times, nbytes=nbytes, copy_GBps=copy_GBps),
-            "timing": "latency" if latency else "kernels"}
+    return case_from_rounds(name, times, nbytes=nbytes, copy_GBps=copy_GBps, timing="latency" if latency else "kernels")
 
 
 def case_from_rounds(name: str, times: dict[str, list[float]], *, nbytes: int, copy_GBps: float,
-                     ours: str = "ours") -> dict:
+                     ours: str = "ours", timing: str = "kernels") -> dict:
     """The :func:`case` of timings taken in alternating rounds (``times[ours]`` is ours, the rest peers)."""
     med = {k: statistics.median(v) for k, v in times.items()}
     peer_names = [k for k in times if k != ours]
-    c = case(name, med[ours], peers={k: med[k] for k in peer_names}, nbytes=nbytes, copy_GBps=copy_GBps)
+    c = case(name, med[ours], peers={k: med[k] for k in peer_names}, nbytes=nbytes, copy_GBps=copy_GBps,
+             timing=timing)
     c["ours_range_ms"] = [round(min(times[ours]), 5), round(max(times[ours]), 5)]
     c["peers_range_ms"] = {k: [round(min(times[k]), 5), round(max(times[k]), 5)] for k in peer_names}
     c["rounds_ms"] = {k: [round(x, 5) for x in v] for k, v in times.items()}

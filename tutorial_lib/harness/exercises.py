@@ -34,11 +34,12 @@ from tutorial_lib.harness.checks import PASS_MARK, SelfCheckError, check
 
 EXERCISE_TAG = "exercise"
 EXERCISE_CHECK_TAG = "exercise-check"
+EXERCISE_PROBE_TAG = "exercise-probe"  # the cells with_solutions adds (a wrong answer, its check)
 NOT_ATTEMPTED = "EXERCISE NOT ANSWERED YET:"
 REJECTS_MARK = f"{PASS_MARK} the exercise check rejects a wrong answer"
 
-__all__ = ["EXERCISE_CHECK_TAG", "EXERCISE_TAG", "ExerciseError", "check_answer", "raise_if_unchecked",
-           "with_solutions"]
+__all__ = ["EXERCISE_CHECK_TAG", "EXERCISE_PROBE_TAG", "EXERCISE_TAG", "ExerciseError", "check_answer",
+           "raise_if_unchecked", "with_solutions"]
 
 
 class ExerciseError(ValueError):
@@ -104,7 +105,7 @@ def with_solutions(nb):
         cell.source = spec["solution"]
         probe = copy.deepcopy(nxt)
         probe.source = _probe_source(spec["wrong"], nxt.source, spec["solution"])
-        probe.metadata = {"tags": ["exercise-probe"]}
+        probe.metadata = {"tags": [EXERCISE_PROBE_TAG]}
         probe["id"] = f"{nxt.get('id', 'check')}-probe"[:64]
         cells += [cell, nxt, probe]
         n += 1
@@ -120,5 +121,5 @@ def raise_if_unchecked(nb) -> None:
         text = "".join(o.get("text", "") for o in cell.get("outputs", []) if o.get("output_type") == "stream")
         if EXERCISE_CHECK_TAG in tags and PASS_MARK not in text:
             raise SelfCheckError(f"exercise check {cell.get('id')} printed no {PASS_MARK!r} line with the solution")
-        if "exercise-probe" in tags and REJECTS_MARK not in text:
+        if EXERCISE_PROBE_TAG in tags and REJECTS_MARK not in text:
             raise SelfCheckError(f"exercise check before {cell.get('id')} did not reject the wrong answer")

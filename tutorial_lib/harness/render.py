@@ -37,6 +37,7 @@ from pathlib import Path
 import nbformat
 
 from tutorial_lib.harness.code_version import code_version
+from tutorial_lib.harness.exercises import EXERCISE_PROBE_TAG
 from tutorial_lib.harness.notebooks import (
     DEFAULT_OUT,
     NOTEBOOK_DIR,
@@ -278,7 +279,7 @@ def render_notebook(executed: Path, source: Path, target: Path, meta: dict | Non
         verify_executed(nb)
     except LessonFailed as exc:
         raise RenderError(f"{executed}: not a passing run: {exc}") from None
-    if any("exercise-probe" in c.get("metadata", {}).get("tags", []) for c in nb.cells):
+    if any(EXERCISE_PROBE_TAG in c.get("metadata", {}).get("tags", []) for c in nb.cells):
         raise RenderError(f"{executed} ran with the exercises' solutions filled in; a rendered copy shows them "
                           f"unanswered (run the lessons with `notebooks run --unanswered`)")
     stale = stale_cells(nb, nbformat.read(source, as_version=4))

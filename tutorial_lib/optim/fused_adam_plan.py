@@ -11,7 +11,7 @@ callables (no Python bytecode per parameter)::
     same_params(group)     the same parameter objects, in place? one identity pass
     stale()                new storage since the tables were built? -> build a new Plan
                              plain: p.data_ptr() per parameter    DTensor: same _local_tensor object?
-                           a parameter left out (no grad, no state at build time) got a grad? -> new Plan
+                           a parameter left out (frozen at build time) got a grad? -> build a new Plan
     grads_and_addresses()  p.grad (torch-function off) [-> ._local_tensor] -> .data_ptr()
     refresh_grads()        only if the addresses changed: bulk-validate (type, dtype, size, device,
                            contiguity; DTensor grads: placements), write each bucket's grad row
@@ -250,8 +250,8 @@ class Plan:
         installing a new ``_local_tensor`` (while ``p.data = other_dtensor`` leaves the shard as it
         was). One identity pass: no address is read, less work than the plain parameters' pass.
         Swapping the storage of the shard object itself (``p._local_tensor.data = x``) is not
-        noticed: call ``FusedAdam.rebuild()`` after that. A parameter left out of the plan (no grad
-        and no state when it was built) that has a grad now makes the plan stale: it joins at this step.
+        noticed: call ``FusedAdam.rebuild()`` after that. A parameter left out of the plan (frozen
+        when it was built) that has a grad now makes the plan stale: it joins at this step.
         """
         if self.left_out and self.left_out_got_grads():
             return True
@@ -260,7 +260,7 @@ class Plan:
         return self.storage_signature() != self.signature
 
     def left_out_got_grads(self) -> bool:
-        """Has a parameter the plan left out (no grad, no state at build) got a grad since? One pass of
+        """Has a parameter the plan left out (frozen when it was built) got a grad since? One pass of
         ``p.grad is None`` over those parameters only: nothing per step when none was left out."""
         with torch._C.DisableTorchFunctionSubclass():  # p.grad on a DTensor: skip __torch_function__
             return not all(map(operator.is_, map(_GRAD, self.left_out), itertools.repeat(None)))

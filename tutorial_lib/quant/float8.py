@@ -50,6 +50,8 @@ Example::
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import tutorial_kernels.fp8_cast as fp8_cast_kernels
 
@@ -301,10 +303,7 @@ class _PerTensorQuantizer(ScaleGroupMixin):
             raise ValueError(f"destination is {meta['fmt']}, this quantizer makes {self.fmt}")
         if tuple(dst.shape) != tuple(x.shape):
             raise ValueError(f"shape mismatch: destination {tuple(dst.shape)}, source {tuple(x.shape)}")
-        if dst.__dict__.get("_view_root") is not None:
-            raise ValueError(f"{type(self).__name__}.quantize_into needs a whole tensor: the destination is a partial "
-                             "view whose scale is shared with elements outside it; use dst.copy_(x) (rescales the "
-                             "whole tensor) or quantize into dst.requantize_target(x)")
+        self.refuse_partial_view(dst)
         return bufs
 
     @staticmethod
@@ -406,11 +405,9 @@ class DelayedScaling(_PerTensorQuantizer):
             self.scale = self.scale.to(device)
 
     def fork(self) -> DelayedScaling:
-        """An independent copy for a cloned tensor: its own history, scale and step count, the same group."""
-        new = type(self).__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        new.amax_history, new.scale = self.amax_history.clone(), self.scale.clone()
-        return new
+        """An independent copy for a cloned tensor: its own history, scale and step count, the same group
+        (the mixin's deep copy shares the group handle)."""
+        return copy.deepcopy(self)
 
     def record_amax(self, a: torch.Tensor) -> None:
         """Push an amax into the history and update the scale for the next call (no host sync)."""

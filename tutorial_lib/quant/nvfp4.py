@@ -250,10 +250,7 @@ class NVFP4Quantizer(ScaleGroupMixin, BlockQuantizer):
 
     def quantize_into(self, dst, hp: torch.Tensor) -> None:
         """As :meth:`BlockQuantizer.quantize_into`, for a whole tensor only: a partial view shares the global scale."""
-        if dst.__dict__.get("_view_root") is not None:
-            raise ValueError("NVFP4Quantizer.quantize_into needs a whole tensor: the destination is a partial view "
-                             "whose global scale is shared with elements outside it; use dst.copy_(x) (rescales "
-                             "the whole tensor)")
+        self.refuse_partial_view(dst)
         super().quantize_into(dst, hp)
 
 

@@ -63,6 +63,14 @@ class ScaleGroupMixin:
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return new
 
+    def refuse_partial_view(self, dst) -> None:
+        """``quantize_into`` writes a whole tensor: a partial view shares its scale with elements outside it,
+        which a new scale would change (``copy_`` rescales the whole root instead)."""
+        if dst.__dict__.get("_view_root") is not None:
+            raise ValueError(f"{type(self).__name__}.quantize_into needs a whole tensor: the destination is a partial "
+                             "view whose scale is shared with elements outside it; use dst.copy_(x) (rescales the "
+                             "whole tensor) or quantize into dst.requantize_target(x)")
+
     def amax_group(self):
         """The group to all-reduce the amax over (None: local); raises if it was dropped by pickling."""
         if self.group_dropped:
