@@ -9,7 +9,8 @@ temporary on a GPU; this kernel reads each byte once and writes two elements::
     data  [M, K/2] uint8, element 2j in the low nibble, 2j+1 in the high one
     scale [M, K/16] (1x16 blocks) or [M/16, K/16] (16x16 tiles) E4M3 bytes, global_scale_inv fp32 []
 
-    one program: ROWS rows x 32 bytes (64 elements, 4 blocks of 16)
+    one program: ROWS rows x 32 bytes (64 elements, 4 blocks of 16), its tile numbered on grid axis 0
+                 (CUDA caps axes 1 and 2 at 65,535: a row of 2 MiB codes is already 65,536 tiles)
       e2m1(code) = sign * {0, 0.5, 1, 1.5, 2, 3, 4, 6}[code & 7]      built from bits, exact
       denom      = e4m3(scale byte) * global_scale_inv                 one fp32 product, as the reference
       out        = e2m1 * denom   rounded once to the output dtype (bf16: RNE, also in the interpreter)
@@ -35,6 +36,7 @@ import triton
 import triton.language as tl
 from tutorial_kernels import interpreted
 from tutorial_kernels.fp8_round import decode_fp8, to_bf16
+from tutorial_kernels.grid_limits import checked_grid
 
 __all__ = ["NVFP4_DEQUANTIZE_DTYPES", "nvfp4_dequantize"]
 
@@ -54,8 +56,10 @@ def _e2m1_to_fp32(code):
 @triton.jit
 def _nvfp4_dequantize_kernel(data_ptr, scale_ptr, gsi_ptr, out_ptr, M, KB, TILE_ROWS: tl.constexpr,
                              ROWS: tl.constexpr, OUT_BF16: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.program_id(1) * 32 + tl.arange(0, 32)  # byte columns
+    pid = tl.program_id(0)  # tiles numbered row tile fastest, as a (row tiles, column tiles) grid would run them
+    row_tiles = tl.cdiv(M, ROWS)
+    rows = (pid % row_tiles).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = (pid // row_tiles) * 32 + tl.arange(0, 32)  # byte columns
     ok = (rows < M)[:, None] & (cols < KB)[None, :]
     packed = tl.load(data_ptr + rows[:, None] * KB + cols[None, :], mask=ok, other=0).to(tl.int32)
     n_sb = KB // 8  # scale columns: 16 elements = 8 bytes per block
@@ -112,7 +116,8 @@ def nvfp4_dequantize(data: torch.Tensor, scale: torch.Tensor, global_scale_inv: 
         return out
     gsi = global_scale_inv.reshape(()).to(data.device)
     r = max(rows, triton.next_power_of_2(min(m, 1024))) if interpreted() else rows  # interpreter: few programs
-    _nvfp4_dequantize_kernel[(triton.cdiv(m, r), triton.cdiv(kb, 32))](
+    grid = checked_grid((triton.cdiv(m, r) * triton.cdiv(kb, 32),), "nvfp4_dequantize")
+    _nvfp4_dequantize_kernel[grid](
         data, scale, gsi, out, m, kb, TILE_ROWS=tile_rows, ROWS=r,
         OUT_BF16=dtype == torch.bfloat16, num_warps=num_warps)
     return out

@@ -6,7 +6,8 @@ with the contracted dimension contiguous, so every FP8 linear layer makes transp
 its generic strided copy: one side of it is read or written a row apart per element, far below
 copy bandwidth for 1-byte elements. Here each program moves one ``[BLOCK, BLOCK]`` tile: loaded
 with the input's rows contiguous, transposed on chip (``tl.trans``), stored with the output's rows
-contiguous -- both sides coalesced.
+contiguous -- both sides coalesced. The tiles are numbered along grid axis 0 (CUDA caps axes 1 and 2
+at 65,535 programs, which a 2-D grid of 128-wide tiles passes at 8.4M columns).
 
 Reference: ``x.t().contiguous()``, bit for bit (nothing is computed, bytes move).
 
@@ -21,12 +22,15 @@ Example::
 import torch
 import triton
 import triton.language as tl
+from tutorial_kernels.grid_limits import checked_grid
 
 
 @triton.jit
 def _transpose_kernel(x_ptr, out_ptr, rows, cols, BLOCK: tl.constexpr):
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    pid = tl.program_id(0)  # tiles numbered row tile fastest, as a (row tiles, column tiles) grid would run them
+    row_tiles = tl.cdiv(rows, BLOCK)
+    r = (pid % row_tiles) * BLOCK + tl.arange(0, BLOCK)
+    c = (pid // row_tiles) * BLOCK + tl.arange(0, BLOCK)
     tile = tl.load(x_ptr + r[:, None].to(tl.int64) * cols + c[None, :],
                    mask=(r[:, None] < rows) & (c[None, :] < cols))
     tl.store(out_ptr + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(tile),
@@ -44,6 +48,6 @@ def transpose(x: torch.Tensor, *, block: int = 128, num_warps: int = 8) -> torch
     rows, cols = x.shape
     out = torch.empty((cols, rows), dtype=x.dtype, device=x.device)
     if x.numel():
-        _transpose_kernel[(triton.cdiv(rows, block), triton.cdiv(cols, block))](x, out, rows, cols, BLOCK=block,
-                                                                               num_warps=num_warps)
+        grid = checked_grid((triton.cdiv(rows, block) * triton.cdiv(cols, block),), "transpose")
+        _transpose_kernel[grid](x, out, rows, cols, BLOCK=block, num_warps=num_warps)
     return out

@@ -5,8 +5,12 @@ kernel on a GPU."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
+import tutorial_kernels.nvfp4_dequantize as dequantize_module
+from tutorial_kernels.grid_limits import CUDA_MAX_GRID
 from tutorial_kernels.nvfp4_dequantize import nvfp4_dequantize
 
 import tutorial_lib.quant.nvfp4 as nvfp4
@@ -72,6 +76,44 @@ def test_nd_input_and_empty():
     out = nvfp4_dequantize(torch.empty(0, 8, dtype=torch.uint8, device=DEV), torch.empty(0, 1, dtype=torch.uint8,
                            device=DEV), torch.ones((), device=DEV))
     assert out.shape == (0, 16)
+
+
+def test_several_row_and_column_tiles():
+    """Ragged tiles in both directions (the interpreter takes up to 1024 rows a program): 2 x 3 programs."""
+    x = _weights((1040, 160), seed=3)
+    for block in ((1, 16), (16, 16)):
+        data, scale, gsi = (t.to(DEV) for t in quantize_nvfp4(x, block))
+        got = nvfp4_dequantize(data, scale, gsi, block, dtype=torch.bfloat16)
+        assert _same(got, dequantize_nvfp4(data, scale, gsi, block, dtype=torch.bfloat16))
+
+
+class _LaunchRecorder:
+    """Stands in for the kernel: records the grid of each launch and runs nothing (65,536 programs are
+    minutes in the interpreter; the tiling itself is checked against the reference above)."""
+
+    def __init__(self):
+        self.grids = []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("shape", [(2048 * 2048 // 2,), (1, 65_536 * 32 + 8), (2, 65_536 * 32 + 8)])
+def test_long_rows_launch_within_cuda_grid_limits(monkeypatch, shape):
+    """One program per ROWS rows x 32 bytes, and the program count on grid axis 0: a flattened 2048x2048
+    weight (1x16 blocks, one row of 2 MiB codes) is 65,536 column tiles, past the 65,535 CUDA allows on
+    axis 1 (the launch would fail on a GPU, never in the interpreter)."""
+    recorder = _LaunchRecorder()
+    monkeypatch.setattr(dequantize_module, "_nvfp4_dequantize_kernel", recorder)
+    data = torch.empty(shape, dtype=torch.uint8, device=DEV)
+    scale = torch.empty((*shape[:-1], shape[-1] // 8), dtype=torch.uint8, device=DEV)
+    assert nvfp4_dequantize(data, scale, torch.ones((), device=DEV)).shape == (*shape[:-1], 2 * shape[-1])
+    (grid,) = recorder.grids
+    assert all(n <= cap for n, cap in zip(grid, CUDA_MAX_GRID, strict=False)), grid
+    m = math.prod(shape[:-1])
+    r = 16 if DEV == "cuda" else max(16, 1 << (min(m, 1024) - 1).bit_length())  # the wrapper's rows per program
+    assert math.prod(grid) == -(-m // r) * -(-shape[-1] // 32)  # the same number of programs
 
 
 def test_bad_input_gets_a_clear_error():

@@ -1,8 +1,12 @@
 """``tutorial_kernels.transpose``: bit-for-bit ``x.t().contiguous()`` for 1-, 2- and 4-byte elements, ragged
-tiles (sizes that are not multiples of the block), and clear errors."""
+tiles (sizes that are not multiples of the block), grids within CUDA's limits for any shape, and clear errors."""
+
+import math
 
 import pytest
 import torch
+import tutorial_kernels.transpose as transpose_module
+from tutorial_kernels.grid_limits import CUDA_MAX_GRID
 from tutorial_kernels.transpose import transpose
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # compiled kernels take GPU tensors; the interpreter CPU ones
@@ -28,3 +32,28 @@ def test_transpose_errors():
     assert transpose(torch.zeros(0, 5)).shape == (5, 0)
     with pytest.raises(TypeError, match="real or bool"):  # Triton has no complex element type
         transpose(torch.zeros(4, 6, dtype=torch.complex64, device=DEV))
+
+
+class _LaunchRecorder:
+    """Stands in for the kernel: records the grid of each launch and runs nothing (65,536+ programs are
+    minutes in the interpreter; the tiling itself is checked bit for bit above)."""
+
+    def __init__(self):
+        self.grids = []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("shape", [(1, 65_536 * 128 + 1), (65_536 * 128 + 1, 1), (3, 65_536 * 128 + 128)])
+def test_wide_and_tall_inputs_launch_within_cuda_grid_limits(monkeypatch, shape):
+    """One program per 128x128 tile, and the tile count on grid axis 0: a (1, 8.4M) tensor has 65,537 column
+    tiles, past the 65,535 CUDA allows on axis 1 (the launch would fail on a GPU, never in the interpreter)."""
+    recorder = _LaunchRecorder()
+    monkeypatch.setattr(transpose_module, "_transpose_kernel", recorder)
+    x = torch.empty(shape, dtype=torch.uint8)
+    assert transpose(x).shape == shape[::-1]
+    (grid,) = recorder.grids
+    assert all(n <= cap for n, cap in zip(grid, CUDA_MAX_GRID, strict=False)), grid
+    assert math.prod(grid) == -(-shape[0] // 128) * -(-shape[1] // 128)  # the same number of programs
