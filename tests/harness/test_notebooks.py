@@ -268,19 +268,93 @@ def test_run_lesson_leaves_the_callers_environment_as_it_was(tmp_path, monkeypat
 
     import papermill
 
+    from tutorial_lib.harness.lesson_inputs import ENV_VAR as INPUTS_LOG
+
     def dead_kernel(*args, **kwargs):
         assert os.environ["TRITON_INTERPRET"] == "1"   # the kernel would inherit it
+        assert os.path.isfile(os.environ[INPUTS_LOG])   # where the results readers note what the lesson read
         raise RuntimeError("kernel died")
 
     monkeypatch.setattr(papermill, "execute_notebook", dead_kernel)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.delenv("TUTORIAL_PROGRESS", raising=False)
+    monkeypatch.delenv(INPUTS_LOG, raising=False)
     path = _notebook(tmp_path, [("check(True, 'x')", ["self-check"])])
     with pytest.raises(LessonFailed, match="kernel died"):
         run_lesson(path, tmp_path / "out", device="cpu", world_size=1, quick=True)
-    assert "TRITON_INTERPRET" not in os.environ and "TUTORIAL_PROGRESS" not in os.environ
+    assert not {"TRITON_INTERPRET", "TUTORIAL_PROGRESS", INPUTS_LOG} & set(os.environ)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(LessonFailed):
         run_lesson(path, tmp_path / "out", device="cpu", world_size=1, quick=True)
     assert os.environ["TRITON_INTERPRET"] == "0"
     assert not list((tmp_path / "out").glob(".*prepared*"))   # the prepared copy is gone too
+
+
+# --- runs sharing an output folder ---------------------------------------------------------------
+
+
+def test_the_executed_notebook_appears_whole_when_the_run_is_over(tmp_path):
+    """While a lesson runs, ``out_dir/<lesson>`` is not a half-executed notebook: papermill writes a private file
+    that replaces it at the end. A lock file left by a dead run does not stop the next one."""
+    out = tmp_path / "out"
+    out.mkdir()
+    nb = _notebook(tmp_path, [("import os\nfrom tutorial_lib.harness.checks import check\n"
+                               "check(not os.path.exists(published), 'no executed copy while the run goes on')",
+                               ["self-check"])], "16_whole.ipynb", params_src="\npublished = ''")
+    (out / ".16_whole.lock").write_text("pid 999999999 on elsewhere, since 00:00:00\n")   # its holder is gone
+    run = run_lesson(nb, out, device="cpu", world_size=1, quick=True,
+                     extra_parameters={"published": str(out / nb.name)})
+    assert run.executed == out / nb.name and run.checks_passed == 1
+    assert sorted(p.name for p in out.iterdir()) == [".16_whole.lock", "16_whole.ipynb"]   # no private file left
+    assert verify_executed(nbformat.read(run.executed, as_version=4)) == (3, 1)
+
+
+HOLDER = """
+import sys
+from tutorial_lib.harness.notebooks import run_lesson
+run = run_lesson(sys.argv[1], sys.argv[2], device="cpu", world_size=1, quick=True,
+                 extra_parameters={"tag": "first", "wait_for": sys.argv[3]})
+print("done", run.executed)
+"""
+
+
+def test_a_second_run_of_a_lesson_into_the_same_folder_stops_naming_the_first(tmp_path):
+    """Two runs of one lesson into one folder would overwrite each other's executed notebook (and a caller could
+    read the other run's result): the second stops at once, naming the first's pid; other lessons may share it."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tutorial_lib.harness.notebooks import REPO_ROOT
+
+    hold = ("import os, time\nprint('run', tag)\nif wait_for:   # the first run waits here for the test\n"
+            "    open(wait_for + '.started', 'w').close()\n"
+            "    for _ in range(1200):\n"
+            "        if os.path.exists(wait_for):\n            break\n        time.sleep(0.1)")
+    nb = _notebook(tmp_path, [(hold, None),
+                              ("from tutorial_lib.harness.checks import check\ncheck(True, tag)", ["self-check"])],
+                   "17_twice.ipynb", params_src="\ntag = ''\nwait_for = ''")
+    out, release = tmp_path / "out", tmp_path / "release"
+    first = subprocess.Popen([sys.executable, "-c", HOLDER, str(nb), str(out), str(release)], cwd=REPO_ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "release.started").exists():
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+            time.sleep(0.1)
+        with pytest.raises(LessonFailed, match=rf"17_twice.ipynb is being made by another run \(pid {first.pid} "):
+            run_lesson(nb, out, device="cpu", world_size=1, quick=True, extra_parameters={"tag": "second"})
+    finally:
+        release.touch()
+        stdout, stderr = first.communicate(timeout=120)
+    assert first.returncode == 0 and "done" in stdout, stderr[-3000:]
+    executed = nbformat.read(out / nb.name, as_version=4)
+    assert executed.metadata["papermill"]["parameters"]["tag"] == "first"
+    assert [o["text"] for o in executed.cells[3].outputs] == ["run first\n"]
+    from tutorial_lib.harness.notebooks import _claim
+
+    with _claim(out / nb.name):   # the first run is over: its lock went with it
+        pass
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".17_twice.") and not p.name.endswith(".lock")]
+    assert os.path.exists(out / ".17_twice.lock")

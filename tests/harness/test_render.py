@@ -3,6 +3,7 @@ renderer keeps copies small, honest (passing runs only) and free of run noise.""
 
 import base64
 import io
+import os
 
 import nbformat
 import pytest
@@ -267,3 +268,148 @@ def test_a_run_with_the_exercise_solutions_is_not_rendered_and_unanswered_runs_a
         with pytest.raises(ZeroDivisionError):
             notebooks._main(["run", str(source), "--no-html", "--out", str(tmp_path / "o"), *argv])
     assert seen == [True, False]
+
+
+# --- the benchmark results a rendered copy's run read -------------------------------------------------
+
+
+def _results(root, names):
+    results = root / "benchmarks" / "results"
+    results.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (results / name).write_text(f'{{"name": "{name}", "date": "2026-01-01", "ms": 1.0}}\n')
+    return results
+
+
+READS = """
+from tutorial_lib.harness.bench import load_results
+a_runs = sorted(d["name"] for d in load_results(results, "a"))
+b_runs = [d["name"] for d in load_results(results, "b")]
+c_runs = load_results(results, "c")
+print(a_runs, b_runs, len(c_runs))
+"""
+
+
+def test_a_copy_whose_benchmark_results_changed_is_named(tmp_path, monkeypatch):
+    """A copy shows numbers from the results files its run read: when one of them changes or goes, or a new one
+    matches what the run listed, ``--check`` names it. Files the run never looked at don't count."""
+    from tutorial_lib.harness import lesson_inputs
+
+    root = tmp_path / "repo"
+    results = _results(root, ["a-1.json", "a-2.json", "b-1.json", "x-1.json"])
+    monkeypatch.setattr(lesson_inputs, "ROOT", root)
+    outer = tmp_path / "outer.log"   # a caller's own log (a run inside a run): it gets none of this run's reads
+    monkeypatch.setenv(lesson_inputs.ENV_VAR, str(outer))
+    source = _lesson(tmp_path, "00_reads.ipynb", body=READS,
+                     check_src="from tutorial_lib.harness.checks import check\n"
+                               "check(a_runs == ['a-1.json', 'a-2.json'] and b_runs == ['b-1.json'], 'read')")
+    nb = nbformat.read(source, as_version=4)
+    nb.cells[1].source += "\nresults = ''"
+    nbformat.write(nb, source)
+    from tutorial_lib.harness.notebooks import run_lesson
+
+    run = run_lesson(source, tmp_path / "executed", device="cpu", world_size=1, quick=True,
+                     extra_parameters={"results": str(results)}, solve_exercises=False)
+    assert os.environ[lesson_inputs.ENV_VAR] == str(outer) and not outer.exists()
+    record = nbformat.read(run.executed, as_version=4).metadata[lesson_inputs.METADATA_KEY]
+    assert sorted(record["files"]) == ["benchmarks/results/a-1.json", "benchmarks/results/a-2.json",
+                                       "benchmarks/results/b-1.json"]
+    assert [(g["dir"], g["pattern"], g["matched"]) for g in record["globs"]] == [
+        ("benchmarks/results", "a-*.json", ["benchmarks/results/a-1.json", "benchmarks/results/a-2.json"]),
+        ("benchmarks/results", "b-*.json", ["benchmarks/results/b-1.json"]),
+        ("benchmarks/results", "c-*.json", [])]
+    out = tmp_path / "rendered"
+    render.render_notebook(run.executed, source, out / source.name, META)
+    copy = nbformat.read(out / source.name, as_version=4)
+    assert copy.metadata[render.METADATA_KEY]["inputs"] == record
+    assert lesson_inputs.METADATA_KEY not in copy.metadata
+    assert render.check_rendered(out, source.parent, root=root) == []
+
+    (results / "x-2.json").write_text("{}")   # no glob of the run matches it, and it never read it
+    assert render.check_rendered(out, source.parent, root=root) == []
+    (results / "a-1.json").write_text('{"name": "a-1.json", "date": "2026-01-01", "ms": 2.0}\n')
+    (results / "b-1.json").unlink()
+    (results / "a-3.json").write_text("{}")
+    (results / "c-1.json").write_text("{}")
+    assert render.check_rendered(out, source.parent, root=root) == [
+        "00_reads.ipynb: benchmarks/results/a-1.json changed since its run read it (sha256 differs)",
+        "00_reads.ipynb: benchmarks/results/b-1.json, which its run read, is gone",
+        "00_reads.ipynb: benchmarks/results/a-3.json is new: its run listed benchmarks/results/a-*.json without it",
+        "00_reads.ipynb: ... and 1 more changes to the files its run read"]
+    assert render._main(["--check", "--out", str(out)]) == 1   # (the real checkout: its lesson is not there)
+
+
+def test_note_read_logs_only_under_the_harness_and_every_results_reader_calls_it(tmp_path, monkeypatch):
+    """Outside ``run_lesson`` (no TUTORIAL_INPUTS_LOG) reading results writes nothing; under it, each of the
+    library's results readers appends one line: the folder, its glob and the files it read."""
+    import json
+
+    from tutorial_lib.harness import lesson_inputs
+    from tutorial_lib.harness.bench import load_results
+    from tutorial_lib.harness.bench_report import results_markdown
+    from tutorial_lib.lessons.benchmarks import recorded_cases
+
+    results = tmp_path / "results"
+    results.mkdir()
+    doc = {"machine": "CPU", "torch": "2", "triton": "3", "date": "2026-01-01T00:00:00", "copy_GBps": 10.0,
+           "cases": [{"name": "c", "ours_ms": 1.0, "bytes": 100, "fraction_of_copy": 0.01, "peers": {}}]}
+    (results / "adam-CPU-1.json").write_text(json.dumps(doc))
+    log = tmp_path / "inputs.log"
+    monkeypatch.delenv(lesson_inputs.ENV_VAR, raising=False)
+    lesson_inputs.note_read([results / "adam-CPU-1.json"], directory=results, pattern="*.json")
+    assert load_results(results, "adam") and recorded_cases(results)
+    assert not log.exists() and not list(tmp_path.glob("*.log"))
+
+    monkeypatch.setenv(lesson_inputs.ENV_VAR, str(log))
+    lesson_inputs.note_read([results / "adam-CPU-1.json"], directory=tmp_path / "x" / ".." / "results",
+                            pattern="*.json")
+    load_results(results, "adam")
+    recorded_cases(results)
+    results_markdown(results)
+    read = [str((results / "adam-CPU-1.json").resolve())]
+    assert [json.loads(line) for line in log.read_text().splitlines()] == [
+        {"dir": str(results.resolve()), "pattern": p, "read": read}
+        for p in ("*.json", "adam-*.json", "*.json", "*.json")]
+
+
+def test_inputs_records_from_a_log_and_a_copy_made_before_them(tmp_path, monkeypatch):
+    """``collect`` reads the log (a line cut short by a killed kernel skipped, a glob repeated kept once, a file
+    read outside the checkout named by its absolute path); a run that read nothing has an empty record, one
+    without a log none; a copy without a record (made before runs recorded their inputs) is not compared; a
+    malformed record is named."""
+    from tutorial_lib.harness import lesson_inputs
+
+    root = tmp_path / "repo"
+    results = _results(root, ["a-1.json", "a-2.json", "b-1.json"])
+    elsewhere = _results(tmp_path / "other", ["e-1.json"])
+    log = tmp_path / "log"
+    monkeypatch.setenv(lesson_inputs.ENV_VAR, str(log))
+    lesson_inputs.note_read([results / "a-1.json"], directory=results, pattern="a-1.json")
+    lesson_inputs.note_read([results / "a-1.json"], directory=results, pattern="a-1.json")
+    lesson_inputs.note_read([], directory=root, pattern="benchmarks/results/b-*.json")
+    lesson_inputs.note_read([elsewhere / "e-1.json"], directory=elsewhere, pattern="*.json")
+    with open(log, "a") as fh:
+        fh.write('{"dir": "cut sho')
+    record = lesson_inputs.collect(log, root)
+    assert record["files"] == {"benchmarks/results/a-1.json": lesson_inputs._sha256(results / "a-1.json"),
+                               f"{elsewhere.as_posix()}/e-1.json": lesson_inputs._sha256(elsewhere / "e-1.json")}
+    assert [(g["dir"], g["pattern"], g["matched"]) for g in record["globs"]] == [
+        ("benchmarks/results", "a-1.json", ["benchmarks/results/a-1.json"]),
+        (".", "benchmarks/results/b-*.json", ["benchmarks/results/b-1.json"]),
+        (elsewhere.as_posix(), "*.json", [f"{elsewhere.as_posix()}/e-1.json"])]
+    assert lesson_inputs.changed_inputs(record, root) == []
+    (results / "b-2.json").write_text("{}")
+    assert lesson_inputs.changed_inputs(record, root) == [
+        "benchmarks/results/b-2.json is new: its run listed ./benchmarks/results/b-*.json without it"]
+    log.write_text("")   # the run read no results
+    assert lesson_inputs.collect(log, root) == {"files": {}, "globs": []}
+    assert lesson_inputs.collect(tmp_path / "no-log", root) is None
+    for bad in ({"files": []}, {"files": {}, "globs": [{"dir": "."}]}):
+        with pytest.raises(ValueError, match="an inputs record is"):
+            lesson_inputs.changed_inputs(bad, root)
+
+    source = _lesson(tmp_path)
+    out = tmp_path / "rendered"
+    render.render_notebook(_executed(source, tmp_path), source, out / source.name, META)   # no record in the run
+    assert "inputs" not in nbformat.read(out / source.name, as_version=4).metadata[render.METADATA_KEY]
+    assert render.check_rendered(out, source.parent, root=root) == []

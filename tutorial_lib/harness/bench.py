@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from tutorial_lib.harness.code_version import code_version
+from tutorial_lib.harness.lesson_inputs import note_read
 
 
 def bench_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 20, *, device=None) -> float:
@@ -434,5 +435,6 @@ def write_results(
 def load_results(results_dir: str | Path, stem: str) -> list[dict]:
     """All recorded runs of one benchmark, newest first (lessons and README tables read these)."""
     paths = sorted(Path(results_dir).glob(f"{stem}-*.json"), reverse=True)
+    note_read(paths, directory=results_dir, pattern=f"{stem}-*.json")  # a lesson's rendered copy shows these
     docs = [json.loads(p.read_text()) for p in paths]
     return sorted(docs, key=lambda d: d["date"], reverse=True)

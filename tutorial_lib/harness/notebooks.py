@@ -15,6 +15,12 @@ What counts as a passing lesson::
     >= 1 cell tagged "self-check", each printed "CHECK PASSED: ..."     -> the claims were asserted
 
 On CPU ``TRITON_INTERPRET=1`` is set for the kernel so Triton kernels run in the interpreter.
+
+Runs sharing an output folder (two terminals, pytest-xdist workers, ``render``) don't mix their results: papermill
+writes into a private file that replaces ``out_dir/<lesson>`` whole once the run is over, and a run of a lesson
+holds ``out_dir/.<lesson>.lock`` meanwhile -- a second run of the same lesson into the same folder stops at once,
+naming the first one's pid (the lock goes with its process: a killed run leaves none that counts). Every run
+also records which benchmark results it read (:mod:`tutorial_lib.harness.lesson_inputs`).
 """
 
 from __future__ import annotations
@@ -24,16 +30,27 @@ import ast
 import html
 import os
 import re
+import secrets
+import socket
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
 
+try:
+    import fcntl
+except ImportError:  # Windows: runs sharing an output folder are not guarded against each other
+    fcntl = None
+
 from tutorial_lib.harness.checks import PASS_MARK, SelfCheckError
 from tutorial_lib.harness.code_version import REPO_ROOT
 from tutorial_lib.harness.exercises import ExerciseError, raise_if_unchecked, with_solutions
+from tutorial_lib.harness.lesson_inputs import ENV_VAR as INPUTS_ENV
+from tutorial_lib.harness.lesson_inputs import METADATA_KEY as INPUTS_KEY
+from tutorial_lib.harness.lesson_inputs import collect
 from tutorial_lib.harness.progress import ENV_VAR as PROGRESS_ENV
 
 NOTEBOOK_DIR = REPO_ROOT / "notebooks"
@@ -44,7 +61,10 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 class LessonFailed(AssertionError):
-    """A lesson raised, timed out, or did not run its code and self-checks."""
+    """A lesson raised, timed out, or did not run its code and self-checks; ``executed``: the run's executed
+    notebook when it got that far (None before papermill ran, e.g. when another run holds the lesson)."""
+
+    executed: Path | None = None
 
 
 @dataclass
@@ -227,39 +247,94 @@ def run_lesson(
         raise LessonFailed(f"{path.name}: {exc}") from None
     if not solve_exercises:
         prepared, n_exercises = nbformat.read(path, as_version=4), 0
-    source = out_dir / f".{path.stem}.prepared.ipynb"
-    nbformat.write(prepared, source)
-    # inherited by the kernel papermill starts, and restored afterwards: the caller's environment stays as it was
-    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", PROGRESS_ENV)}
-    if params["device"] == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    # an executed notebook keeps every progress refresh as an output: quiet bars there (a kernel started
-    # from inside JupyterLab would otherwise pick widgets, whose state would land in the executed copy)
-    os.environ.setdefault(PROGRESS_ENV, "quiet")
-    start = time.monotonic()
+    with _claim(executed), _private_files(out_dir, path.stem) as (source, running, inputs_log):
+        nbformat.write(prepared, source)
+        start = time.monotonic()
+        try:
+            with _kernel_environment(params["device"], inputs_log):
+                papermill.execute_notebook(
+                    str(source), str(running), parameters=params, kernel_name=KERNEL_NAME,
+                    execution_timeout=cell_timeout, progress_bar=False, cwd=str(path.parent), log_output=False,
+                )
+        except Exception as exc:  # papermill's cell errors, nbclient's timeouts, dead kernels
+            failed = LessonFailed(f"{path.name} failed ({params}):\n{_describe_failure(exc)}")
+            if running.stat().st_size:  # papermill wrote the run up to its failing cell
+                os.replace(running, executed)
+                failed.executed = executed
+            raise failed from None
+        seconds = time.monotonic() - start
+        done = nbformat.read(running, as_version=4)
+        record = collect(inputs_log)
+        if record is not None:
+            done.metadata[INPUTS_KEY] = record
+            nbformat.write(done, running)
+        os.replace(running, executed)  # whole, at once: a reader never sees a run in progress
     try:
-        papermill.execute_notebook(
-            str(source), str(executed), parameters=params, kernel_name=KERNEL_NAME,
-            execution_timeout=cell_timeout, progress_bar=False, cwd=str(path.parent), log_output=False,
-        )
-    except Exception as exc:  # papermill's cell errors, nbclient's timeouts, dead kernels
-        raise LessonFailed(f"{path.name} failed ({params}):\n{_describe_failure(exc)}") from None
+        cells, checks = verify_executed(done)
+        if solve_exercises:
+            raise_if_unchecked(done)
+    except (LessonFailed, SelfCheckError) as exc:
+        failed = LessonFailed(f"{path.name}: {exc}")
+        failed.executed = executed
+        raise failed from None
+    return LessonRun(path, executed, seconds, cells, checks, params, n_exercises)
+
+
+@contextmanager
+def _claim(executed: Path):
+    """Hold ``out_dir/.<lesson>.lock`` while this run makes ``executed``: LessonFailed at once, naming the holder,
+    if another live run holds it. The OS drops the lock with its process, so a killed run's lock file is
+    taken over by the next run. Without ``fcntl`` (Windows) runs are not guarded against each other."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(executed.with_name(f".{executed.stem}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 300, 0).decode(errors="replace").strip() or "a process"
+            raise LessonFailed(f"{executed} is being made by another run ({holder}): wait for it, or give this run "
+                               f"an output folder of its own (--out)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}\n".encode(), 0)
+        yield
     finally:
-        source.unlink(missing_ok=True)
+        os.close(fd)  # releases the lock; the file stays (removing it would race a run about to take it)
+
+
+@contextmanager
+def _private_files(out_dir: Path, stem: str):
+    """Fresh empty files of this run alone -- ``out_dir/.<stem>.<random>`` + prepared lesson, papermill's output,
+    the kernel's inputs log -- removed at the end (unless moved away)."""
+    paths = []
+    try:
+        for suffix in (".prepared.ipynb", ".running.ipynb", ".inputs.log"):
+            paths.append(_fresh_file(out_dir, f".{stem}.", suffix))
+        yield paths
+    finally:
+        for p in paths:
+            p.unlink(missing_ok=True)
+
+
+@contextmanager
+def _kernel_environment(device: str, inputs_log: Path):
+    """The environment the lesson's kernel inherits; the caller's is restored afterwards."""
+    saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", PROGRESS_ENV, INPUTS_ENV)}
+    try:
+        if device == "cpu":
+            os.environ["TRITON_INTERPRET"] = "1"
+        # an executed notebook keeps every progress refresh as an output: quiet bars there (a kernel started
+        # from inside JupyterLab would otherwise pick widgets, whose state would land in the executed copy)
+        os.environ.setdefault(PROGRESS_ENV, "quiet")
+        os.environ[INPUTS_ENV] = str(inputs_log)  # where the library notes the benchmark results the lesson reads
+        yield
+    finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    seconds = time.monotonic() - start
-    try:
-        done = nbformat.read(executed, as_version=4)
-        cells, checks = verify_executed(done)
-        if solve_exercises:
-            raise_if_unchecked(done)
-    except (LessonFailed, SelfCheckError) as exc:
-        raise LessonFailed(f"{path.name}: {exc}") from None
-    return LessonRun(path, executed, seconds, cells, checks, params, n_exercises)
 
 
 def render_html(executed: list[Path], html_dir: Path) -> Path:
@@ -272,17 +347,40 @@ def render_html(executed: list[Path], html_dir: Path) -> Path:
     for nb_path in executed:
         body, _ = exporter.from_filename(str(nb_path))
         target = html_dir / (nb_path.stem + ".html")
-        target.write_text(body, encoding="utf-8")
+        write_atomically(target, body)
         links.append(f'<li><a href="{html.escape(target.name)}">{html.escape(nb_path.stem)}</a></li>')
     index = html_dir / "index.html"
-    index.write_text(
-        "<!doctype html><title>Lessons</title><h1>Executed lessons</h1><ul>" + "".join(links) + "</ul>",
-        encoding="utf-8",
-    )
+    write_atomically(index, "<!doctype html><title>Lessons</title><h1>Executed lessons</h1><ul>" + "".join(links)
+                     + "</ul>")
     return index
 
 
-_RUN_METADATA = ("papermill", "widgets")  # a run's residue: papermill's timings and paths, saved widget state
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through a private file renamed over it: a reader, or another run writing
+    the same file, sees the old content or the new, never a mix."""
+    tmp = _fresh_file(path.parent, f".{path.name}.", ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _fresh_file(directory: Path, prefix: str, suffix: str) -> Path:
+    """A new empty file with a name no other run has, created with the usual permissions (umask), unlike mkstemp's
+    0600: the executed notebooks and HTML pages are made from these."""
+    while True:
+        path = Path(directory) / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}{suffix}"
+        try:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return path
+        except FileExistsError:
+            continue
+
+
+_RUN_METADATA = ("papermill", "widgets", INPUTS_KEY)  # a run's residue: papermill's timings and paths, saved
+# widget state, the files it read
 
 
 def strip_outputs(path: str | Path) -> bool:
@@ -361,7 +459,7 @@ def _main(argv: list[str] | None = None) -> int:
         except LessonFailed as exc:
             failures.append(p.name)
             print(f"FAIL {p.name}\n{exc}", file=sys.stderr, flush=True)
-            executed.append(args.out / "executed" / p.name) if (args.out / "executed" / p.name).exists() else None
+            executed.append(exc.executed) if exc.executed is not None else None  # this run's, never another's
             continue
         executed.append(r.executed)
         print(f"ok   {p.name}  {r.seconds:6.1f} s  {r.code_cells} cells  {r.checks_passed} checks  "

@@ -18,7 +18,10 @@ cleaned up for reading::
 The README's lesson table links each lesson that has a rendered copy (``readme_with_links``; the
 command updates it). A rendered copy whose cells no longer match its lesson is stale:
 ``stale_cells`` names the first differences, and ``tests/harness/test_render.py`` fails on it. So does a copy
-that shows library code (``harness.source.show_source``) its file no longer contains (``shown_code_gone``).
+that shows library code (``harness.source.show_source``) its file no longer contains (``shown_code_gone``), and
+one whose run read benchmark results that changed, went or were joined by new ones since
+(``lesson_inputs.changed_inputs`` on the record in its metadata's ``inputs``; a copy made before runs
+recorded their inputs has none, and ``--check`` says how many such copies it could not compare).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ import nbformat
 
 from tutorial_lib.harness.code_version import code_version
 from tutorial_lib.harness.exercises import EXERCISE_PROBE_TAG
+from tutorial_lib.harness.lesson_inputs import METADATA_KEY as INPUTS_KEY
+from tutorial_lib.harness.lesson_inputs import changed_inputs
 from tutorial_lib.harness.notebooks import (
     DEFAULT_OUT,
     NOTEBOOK_DIR,
@@ -46,6 +51,7 @@ from tutorial_lib.harness.notebooks import (
     lessons,
     run_lesson,
     verify_executed,
+    write_atomically,
 )
 from tutorial_lib.harness.progress import ENV_VAR as PROGRESS_ENV_VAR
 from tutorial_lib.harness.progress import note, progress
@@ -289,19 +295,22 @@ def render_notebook(executed: Path, source: Path, target: Path, meta: dict | Non
     if require_device is not None and parameters.get("device") != require_device:
         raise RenderError(f"{executed} ran with device={parameters.get('device')!r}; {target.parent} holds "
                           f"device={require_device!r} runs only (--out elsewhere for other renderings)")
+    inputs = nb.metadata.pop(INPUTS_KEY, None)  # the files the run read (lesson_inputs), if it recorded them
     images, scaled, cut = clean_for_reading(nb)
     try:
         source_rel = source.resolve().relative_to(REPO_ROOT).as_posix()
     except ValueError:
         source_rel = source.name
     nb.metadata[METADATA_KEY] = {"source": source_rel, **(meta or provenance(parameters))}
+    if inputs is not None:
+        nb.metadata[METADATA_KEY]["inputs"] = inputs
     text = nbformat.writes(nb) + "\n"
     size = len(text.encode())
     if size > MAX_BYTES:
         raise RenderError(f"the rendered copy of {source.name} is {size:,} bytes, over the {MAX_BYTES:,} cap: "
                           f"make its plots or printed output smaller")
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(text, encoding="utf-8")
+    write_atomically(target, text)
     return RenderedLesson(source, target, size, images, scaled, cut)
 
 
@@ -310,8 +319,9 @@ def rendered_copies(directory: Path = RENDERED_DIR) -> list[Path]:
     return sorted(Path(directory).glob("[0-9][0-9]_*.ipynb"))
 
 
-def check_rendered(directory: Path = RENDERED_DIR, notebooks: Path = NOTEBOOK_DIR) -> list[str]:
-    """Every problem with the rendered copies: no source lesson, stale cells, too large, not a passing run."""
+def check_rendered(directory: Path = RENDERED_DIR, notebooks: Path = NOTEBOOK_DIR, root: Path = REPO_ROOT) -> list[str]:
+    """Every problem with the rendered copies: no source lesson, stale cells, shown code gone, benchmark results
+    read by its run changed (files below ``root``), too large, not a passing run."""
     problems = []
     for path in rendered_copies(directory):
         source = Path(notebooks) / path.name
@@ -322,7 +332,13 @@ def check_rendered(directory: Path = RENDERED_DIR, notebooks: Path = NOTEBOOK_DI
             problems.append(f"{path.name}: {path.stat().st_size:,} bytes, over the {MAX_BYTES:,} cap")
         nb = nbformat.read(path, as_version=4)
         problems += [f"{path.name}: {p}" for p in stale_cells(nb, nbformat.read(source, as_version=4))]
-        problems += [f"{path.name}: {p}" for p in shown_code_gone(nb)]
+        problems += [f"{path.name}: {p}" for p in shown_code_gone(nb, root)]
+        inputs = nb.metadata.get(METADATA_KEY, {}).get("inputs")
+        if inputs is not None:
+            try:
+                problems += [f"{path.name}: {p}" for p in changed_inputs(inputs, root)]
+            except ValueError as exc:
+                problems.append(f"{path.name}: {exc}")
         try:
             verify_executed(nb)
         except LessonFailed as exc:
@@ -370,7 +386,12 @@ def _main(argv: list[str] | None = None) -> int:
 
     if args.check:
         problems = check_rendered(args.out)
-        print("\n".join(problems) or f"{len(rendered_copies(args.out))} rendered copies, all current")
+        copies = rendered_copies(args.out)
+        unrecorded = [p for p in copies
+                      if "inputs" not in nbformat.read(p, as_version=4).metadata.get(METADATA_KEY, {})]
+        aside = (f" ({len(unrecorded)} made before runs recorded the benchmark results they read: those files "
+                f"not compared)" if unrecorded else "")
+        print("\n".join(problems) or f"{len(copies)} rendered copies, all current{aside}")
         if problems:
             print(f"regenerate them with: {REGENERATE}", file=sys.stderr)
         return 1 if problems else 0

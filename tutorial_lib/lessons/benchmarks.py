@@ -47,6 +47,7 @@ from tutorial_lib.harness.bench import (
     turn_order,
 )
 from tutorial_lib.harness.kernel_ranges import exact_name, kernel_time_by_range
+from tutorial_lib.harness.lesson_inputs import note_read
 from tutorial_lib.models import BlockMLP
 from tutorial_lib.optim.adamw_reference import adam_bytes_per_element
 from tutorial_lib.optim.fused_adam import FusedAdam
@@ -89,7 +90,9 @@ class RecordedCase:
 def recorded_cases(results_dir: str | Path) -> list[RecordedCase]:
     """Every case of every recorded run in ``results_dir``, oldest run first."""
     rows = []
-    for path in sorted(Path(results_dir).glob("*.json")):
+    paths = sorted(Path(results_dir).glob("*.json"))
+    note_read(paths, directory=results_dir, pattern="*.json")  # the lesson's rendered copy shows these
+    for path in paths:
         doc = json.loads(path.read_text())
         for c in doc["cases"]:
             peers = {k: float(v) for k, v in c.get("peers", {}).items() if isinstance(v, (int, float))}
