@@ -8,6 +8,7 @@
 ``fsdp2_reflatten``  FSDP2's later re-flattens of a shard follow the view scope of its first one
 ``fsdp2_internals``  the one reader of FSDP2's private per-parameter records (``FSDPParam``)
 ``quantized_init``   meta-device init that quantizes only each rank's shard
+``agreement``        rank-local checks before a collective: every rank goes on, or every rank raises
 ``checkpoint``       DCP save/load of quantized state (planners, checks, refusals)
 ``checkpoint_checks`` non-finite and mismatch checks, safe-globals scopes
 ``checkpoint_dirs``  private checkpoint directories, removed on failure

@@ -66,6 +66,7 @@ from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemT
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from tutorial_lib.dist.agreement import every_rank_or_none
 from tutorial_lib.dist.checkpoint_checks import (
     NonFiniteCheckpointError,
     SafeFileSystemReader,
@@ -191,8 +192,10 @@ def save_checkpoint(state_dict: dict, path: str | os.PathLike, *, mode: str = "s
     """Save ``state_dict`` with DCP on every rank; ``mode`` is "sync" or "async".
 
     Refuses a ``path`` that already holds a checkpoint (``CheckpointExistsError``): DCP would
-    overwrite ``.metadata`` and leave the other run's shard files next to it. Every rank checks
-    before the first collective, when no rank has written yet, so all ranks agree.
+    overwrite ``.metadata`` and leave the other run's shard files next to it. Every rank checks its own
+    view of ``path`` before the first collective, when no rank has written yet; then the ranks compare
+    (:func:`~tutorial_lib.dist.agreement.every_rank_or_none`): a refusal on any rank, or a directory
+    one rank cannot create, raises on every rank, so none is left waiting in DCP's first collective.
 
     Returns None (sync) or a ``concurrent.futures.Future`` (async): call ``.result()`` before
     reading the checkpoint, removing its directory, or starting the next async save.
@@ -200,13 +203,14 @@ def save_checkpoint(state_dict: dict, path: str | os.PathLike, *, mode: str = "s
     path = os.fspath(path)
     if mode not in ("sync", "async"):
         raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
-    if _has_checkpoint(path):
-        raise CheckpointExistsError(
-            f"{path} already holds a checkpoint ({METADATA_FILE} exists); DCP would overwrite its metadata and "
-            "leave the other run's shard files next to the new ones. Use a fresh directory (checkpoint_dir())."
-        )
-    os.makedirs(path, mode=0o700, exist_ok=True)  # private to this user when we create it
     no_dist = not (dist.is_available() and dist.is_initialized())
+    with every_rank_or_none(f"preparing to save a checkpoint into {path}", process_group):
+        if _has_checkpoint(path):
+            raise CheckpointExistsError(
+                f"{path} already holds a checkpoint ({METADATA_FILE} exists); DCP would overwrite its metadata and "
+                "leave the other run's shard files next to the new ones. Use a fresh directory (checkpoint_dir())."
+            )
+        os.makedirs(path, mode=0o700, exist_ok=True)  # private to this user when we create it
     kwargs = dict(checkpoint_id=path, planner=QuantizedSavePlanner(), process_group=process_group, no_dist=no_dist)
     if mode == "sync":
         with _single_process_quiet(no_dist):
@@ -380,17 +384,20 @@ def load_checkpoint(state_dict: dict, path: str | os.PathLike, *, check_finite: 
 
     Runs no code from the checkpoint: ``.metadata`` goes through :class:`SafeFileSystemReader`, non-tensor
     leaves through ``weights_only=True``; an item that would need anything else raises
-    :class:`UnsafeCheckpointError` naming it, before any of it runs.
+    :class:`UnsafeCheckpointError` naming it, before any of it runs. A checkpoint that one rank cannot
+    find or open raises on every rank (each names the rank that failed), before any collective.
     """
     path = os.fspath(path)
-    if not _has_checkpoint(path):
-        raise FileNotFoundError(f"no DCP checkpoint at {path} (no {METADATA_FILE}); was the save finished?")
-    torch.serialization.add_safe_globals(chunk_safe_globals())
-    reader = SafeFileSystemReader(path)
-    # Read once up front: inside dcp.load a refused .metadata is only logged, then other files are tried.
-    # Every rank reads the same file, so every rank raises here, before the first collective.
-    reader.read_metadata()
     no_dist = not (dist.is_available() and dist.is_initialized())
+    # Each rank reads its own view of the file system: a checkpoint missing or refused on ANY rank raises on
+    # every rank here, before DCP's first collective (a node that does not see it yet must not strand the rest).
+    with every_rank_or_none(f"opening the checkpoint {path}", process_group):
+        if not _has_checkpoint(path):
+            raise FileNotFoundError(f"no DCP checkpoint at {path} (no {METADATA_FILE}); was the save finished?")
+        torch.serialization.add_safe_globals(chunk_safe_globals())
+        reader = SafeFileSystemReader(path)
+        # Read once up front: inside dcp.load a refused .metadata is only logged, then other files are tried.
+        reader.read_metadata()
     with _unwrapped_errors(), _single_process_quiet(no_dist):
         dcp.load(state_dict, checkpoint_id=path, storage_reader=reader,
                  planner=QuantizedLoadPlanner(requantize=requantize), process_group=process_group, no_dist=no_dist)

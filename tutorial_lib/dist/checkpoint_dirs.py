@@ -38,6 +38,8 @@ from concurrent.futures import Future
 
 import torch.distributed as dist
 
+from tutorial_lib.dist.agreement import every_rank_or_none
+
 __all__ = ["CheckpointDir", "checkpoint_dir", "shared_checkpoint_dir"]
 
 DEFAULT_PREFIX = "tutorial-ckpt-"
@@ -103,14 +105,20 @@ def shared_checkpoint_dir(root: str | os.PathLike | None = None, prefix: str = D
                           keep: bool = False, group=None, pending: list[Future] | None = None):
     """:func:`checkpoint_dir` from INSIDE the ranks: rank 0 creates it, every rank gets the path.
 
-    ``root`` must be visible to every rank (the default temp dir is, on one host). On success all
-    ranks wait for their ``pending`` async saves and meet in a barrier, then rank 0 removes the
-    directory. On failure nobody enters a collective (a failed peer would never arrive: a
+    ``root`` must be visible to every rank (the default temp dir is, on one host). A directory rank 0
+    cannot create raises on every rank. On success all ranks wait for their ``pending`` async saves and
+    compare the outcomes (:func:`~tutorial_lib.dist.agreement.every_rank_or_none`, a collective like a
+    barrier): a save that failed on any rank raises on every rank (the directory is then left to the
+    outermost owner); else rank 0 removes the directory.
+    On a failure inside the block nobody enters a collective (a failed peer would never arrive: a
     30-minute hang with gloo's default timeout); rank 0 removes what it can, and the outermost
     owner (``checkpoint_dir`` of the caller, or ``launch``'s own temp dir) removes the rest.
     """
     rank = dist.get_rank(group)
-    box = [tempfile.mkdtemp(prefix=prefix, dir=None if root is None else os.fspath(root)) if rank == 0 else None]
+    box = [None]
+    with every_rank_or_none("creating the shared checkpoint directory", group):
+        if rank == 0:
+            box = [tempfile.mkdtemp(prefix=prefix, dir=None if root is None else os.fspath(root))]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     path = box[0]
     pending = pending if pending is not None else []
@@ -120,8 +128,8 @@ def shared_checkpoint_dir(root: str | os.PathLike | None = None, prefix: str = D
         if rank == 0 and not keep:
             _wait_then_remove(path, pending)
         raise
-    for f in pending:
-        f.result()  # this rank's async saves are on disk before anyone may remove the directory
-    dist.barrier(group=group)
+    with every_rank_or_none(f"finishing its async saves into {path}", group):
+        for f in pending:
+            f.result()  # this rank's async saves are on disk before anyone may remove the directory
     if rank == 0 and not keep:
         shutil.rmtree(path, ignore_errors=True)

@@ -228,13 +228,17 @@ def _pre_all_gather(self: QuantizedTensor, mesh, outer_size=None):
     else:
         shape = tuple(outer_size)
         rows = -(-shape[0] // mesh.size())
+    # Decided from the global shape, not from this rank's shard: only the short shard of an uneven split is
+    # padded, and a refusal on that rank alone would leave the others waiting in the all-gather.
+    odd = [n for n in gathered if bufs[n].shape != self.shape] if shape and shape[0] % mesh.size() else []
+    if odd:
+        raise UnshardableError(f"uneven shards of {type(self).__name__} {list(shape)} over {mesh.size()} ranks: buffer "
+                               f"{odd[0]!r} is not shaped like the tensor, so a short shard cannot be padded to "
+                               f"the shard shape [{rows}, ...]; use a dim 0 divisible by the world size")
     inputs = []
     for name in gathered:
         b = bufs[name]
         if self.shape[0] != rows:  # the short shard of an uneven split: pad to the padded shard shape
-            if b.shape != self.shape:
-                raise UnshardableError(f"uneven shard of {type(self).__name__}: buffer {name!r} {list(b.shape)} "
-                                       f"cannot be padded to the shard shape [{rows}, ...]")
             b = _padded_rows(b, rows)
         inputs.append(b.contiguous())
     ratios = tuple(rows // max(1, i.shape[0]) for i in inputs)

@@ -53,6 +53,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.profiler import record_function
 
+from tutorial_lib.dist.agreement import every_rank_or_none
 from tutorial_lib.dist.quantized_init import build_sharded_plain, build_sharded_quantized
 from tutorial_lib.dist.runtime import deterministic_cuda, require_kernels_for, resolve_device
 from tutorial_lib.harness.progress import progress
@@ -277,27 +278,30 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     rank, ws = dist.get_rank(), dist.get_world_size()
     resume_path = _agreed_resume_path(cfg)
     definition = run_definition(cfg, ws)
-    if resume_path:
-        check_same_run(resume_path, definition)  # a resume continues the same run, or stops here
+    if resume_path:  # each rank reads <out>/run.json as its file system shows it: all go on, or all stop
+        with every_rank_or_none("checking that the resume continues the same run"):
+            check_same_run(resume_path, definition)  # a resume continues the same run, or stops here
     data = TextData.load(cfg.model_config().seq_len)
     data.val_windows(rank, ws, cfg.eval_windows)  # enough validation windows for every rank: fail now, not at the end
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     model, opt, model_cfg = build_model_and_optimizer(cfg, mesh, dev)
     matmul = describe_matmul(cfg.fmt, dev)
-    log = MetricsLog(None if cfg.out is None else os.path.join(cfg.out, "metrics.jsonl"), enabled=rank == 0)
     start = load_training_checkpoint(model, opt, resume_path) if resume_path else 0
     if start > cfg.steps:
         raise ValueError(f"checkpoint {resume_path} is at step {start}, past steps={cfg.steps}")
-    if cfg.out is not None:
-        check_no_checkpoints_ahead(cfg.out, start, cfg.steps, cfg.ckpt_every)  # every save would succeed
-        if rank == 0:
-            write_run_definition(cfg.out, definition)
+    # what each rank sees under out, and what rank 0 alone writes there: every rank trains, or every rank raises
+    with every_rank_or_none(f"preparing the run directory {cfg.out}"):
+        if cfg.out is not None:
+            check_no_checkpoints_ahead(cfg.out, start, cfg.steps, cfg.ckpt_every)  # every save would succeed
+            if rank == 0:
+                write_run_definition(cfg.out, definition)
+        log = MetricsLog(None if cfg.out is None else os.path.join(cfg.out, "metrics.jsonl"), enabled=rank == 0)
+        log.begin(start, format=cfg.fmt, matmul=matmul, world_size=ws, device=dev.type, n_params=model_cfg.n_params(),
+                  resume=resume_path, torch=torch.__version__, config=dataclasses.asdict(cfg))  # drops steps > start
     if rank == 0:
         print(f"[train] {cfg.fmt}: {matmul}; {ws} rank(s) on {dev.type}; {model_cfg.n_params():,} parameters"
               + (f"; resumed at step {start} from {resume_path}" if resume_path else ""), flush=True)
-    log.begin(start, format=cfg.fmt, matmul=matmul, world_size=ws, device=dev.type, n_params=model_cfg.n_params(),
-              resume=resume_path, torch=torch.__version__, config=dataclasses.asdict(cfg))  # drops steps > start
     tokens_per_step = ws * cfg.micro_batches * cfg.batch_size * model_cfg.seq_len
     losses, val_losses, checkpoints, rates, step_times = [], {}, [], [], []
     pending = []  # this interval's per-step losses, on the device (no host sync per step)
