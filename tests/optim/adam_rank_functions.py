@@ -55,3 +55,56 @@ def fp8_grad_on_some_ranks_only() -> dict:
     opt.step()
     return {"history0": ps[0].quantizer.amax_history.tolist(),
             "steps": [opt.state[p]["step"].item() if p in opt.state else None for p in ps]}
+
+
+def grouped_grads_on_some_ranks(scaling: str, options: dict) -> dict:
+    """Three parameters whose quantizers reduce over the world: p0 has a grad on every rank, p1 on rank 0
+    only, p2 on none; then a second step where rank 1 has no grad at all. What each rank ends with: its
+    shard's buffers and master after each step, the histories (delayed scaling), and the step counts."""
+    from tutorial_lib.quant.float8 import CurrentScaling, DelayedScaling
+    from tutorial_lib.quant.nvfp4 import NVFP4Quantizer
+
+    rank, world = dist.get_rank(), dist.group.WORLD
+    make = {"delayed": lambda: DelayedScaling("e4m3", history_len=4, group=world),
+            "current": lambda: CurrentScaling("e4m3", group=world),
+            "nvfp4": lambda: NVFP4Quantizer(group=world)}[scaling]
+    gen = torch.Generator().manual_seed(10 + rank)  # every rank its own shard values
+    ps = [torch.nn.Parameter(make().quantize(torch.randn(4, 32, generator=gen) * (1 + 3 * rank + i)))
+          for i in range(3)]
+    opt = FusedAdam(ps, lr=0.5, master_weights=True, **options)
+
+    def snapshot() -> dict:
+        return {"buffers": [{k: v.clone() for k, v in p.raw_buffers().items()} for p in ps],
+                "masters": [opt.state[p]["master_param"].clone() for p in ps],
+                "histories": [p.quantizer.amax_history.clone() if scaling == "delayed" else None for p in ps],
+                "steps": [opt.state[p]["step"].item() for p in ps]}
+
+    out = {}
+    for step, has_grad in enumerate(([True, rank == 0, False], [rank == 0] * 3)):
+        if step == 0:
+            opt.zero_grad()
+            for p in ps:  # step-0 state for every parameter (the plan is built with a grad on each)
+                p.grad = torch.zeros(4, 32)
+            opt.step()  # a zero-grad step: masters move by weight decay only
+            out["before"] = snapshot()
+        for p, h in zip(ps, has_grad):
+            p.grad = torch.randn(4, 32, generator=gen) if h else None
+        opt.step()
+        out[f"step{step}"] = snapshot()
+    return out
+
+
+def shared_scale_of_a_nan_shard() -> dict:
+    """Rank 1's shard holds a NaN, rank 0's does not: the shared amax (per-tensor FP8 current scaling and NVFP4's
+    global amax) must be NaN on BOTH ranks, whatever the reduction's rank order."""
+    from tutorial_lib.quant.float8 import CurrentScaling
+    from tutorial_lib.quant.nvfp4 import NVFP4Quantizer
+
+    rank, world = dist.get_rank(), dist.group.WORLD
+    x = torch.full((4, 32), 1.0 + rank)
+    if rank == 1:
+        x[2, 5] = float("nan")
+    nv = NVFP4Quantizer(group=world).quantize(x)
+    fp8 = CurrentScaling("e4m3", group=world).quantize(x)
+    return {"nvfp4_global_scale_inv": nv.raw_buffers()["global_scale_inv"].item(),
+            "fp8_scale_inv": fp8.raw_buffers()["scale_inv"].item()}

@@ -38,3 +38,18 @@ def test_without_a_group_nothing_is_batched_and_copy_is_used():
     assert requantize([(local, master)]) == 0
     for name, buf in local.raw_buffers().items():
         assert torch.equal(buf, expected.raw_buffers()[name]), name
+
+
+def test_has_grad_writes_only_updated_pairs_without_a_group_and_checks_its_length():
+    """``has_grad`` (an optimizer step): a pair whose quantizer reduces over no group and whose master was not
+    updated keeps its bytes; one entry per pair, or a clear error."""
+    x = torch.randn(4, 64)
+    kept, written = CurrentScaling("e4m3").quantize(x), CurrentScaling("e4m3").quantize(x)
+    before = {k: v.clone() for k, v in kept.raw_buffers().items()}
+    master = torch.randn(4, 64) * 3
+    assert requantize([(kept, master), (written, master)], has_grad=[False, True]) == 0
+    assert all(torch.equal(v, before[k]) for k, v in kept.raw_buffers().items())
+    expected = CurrentScaling("e4m3").quantize(master)
+    assert all(torch.equal(v, expected.raw_buffers()[k]) for k, v in written.raw_buffers().items())
+    with pytest.raises(ValueError, match="has_grad has 1 entries for 2 pairs"):
+        requantize([(kept, master), (written, master)], has_grad=[True])

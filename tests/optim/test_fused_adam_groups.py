@@ -193,3 +193,64 @@ def test_fp8_parameter_with_a_grad_on_some_ranks_only_issues_the_same_all_reduce
                     collective_timeout=20)
     assert r0["history0"] == r1["history0"]
     assert r0["steps"] == [1.0, 1.0] and r1["steps"] == [1.0, 0.0]
+
+
+GROUPED = [("delayed", {}), ("current", {}), ("current", {"fuse_requantize": False}),
+           ("current", {"batch_amax_reduce": False}), ("nvfp4", {})]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("scaling,options", GROUPED, ids=["delayed", "current", "current-unfused",
+                                                          "current-per-param", "nvfp4"])
+def test_grads_present_on_some_ranks_only_keep_one_scale_per_tensor(scaling, options):
+    """A quantizer reducing over a process group gives ONE scale to every rank's shard of a tensor. When a
+    rank lacks the grad of such a parameter (or every grad of the group) the ranks still issue the same
+    collectives, and a shard another rank updated is requantized with the shared scale; one no rank updated
+    is left exactly as it was (bytes, scale, history)."""
+    from tutorial_lib.quant.nvfp4 import quantize_nvfp4
+    from tutorial_lib.quant.per_tensor import amax, quantize_per_tensor, scale_from_amax
+
+    ranks = launch(arf.grouped_grads_on_some_ranks, world_size=2, device="cpu", args=(scaling, options),
+                   timeout=180, collective_timeout=20)
+    for step, updated in (("step0", [True, True, False]), ("step1", [True, True, True])):
+        for j, upd in enumerate(updated):
+            prev = "before" if step == "step0" else "step0"
+            for r in ranks:
+                if not upd:  # no rank had a grad: nothing changed, not even the history
+                    assert all(torch.equal(v, r[prev]["buffers"][j][k]) for k, v in r[step]["buffers"][j].items())
+                    if scaling == "delayed":
+                        assert torch.equal(r[step]["histories"][j], r[prev]["histories"][j])
+            if not upd:
+                continue
+            bufs = [r[step]["buffers"][j] for r in ranks]
+            if scaling == "delayed":  # one history, one scale; each shard's bytes are its master's at that scale
+                assert torch.equal(ranks[0][step]["histories"][j], ranks[1][step]["histories"][j]), (step, j)
+                scale = 1.0 / bufs[0]["scale_inv"]
+                for r, b in zip(ranks, bufs):
+                    assert torch.equal(b["scale_inv"], bufs[0]["scale_inv"]), (step, j)
+                    assert torch.equal(b["data"], quantize_per_tensor(r[step]["masters"][j], scale)), (step, j)
+                assert ranks[0][step]["histories"][j][0] == max(amax(r[step]["masters"][j]) for r in ranks)
+            elif scaling == "current":  # the scale of the amax over every shard's master
+                whole = max(amax(r[step]["masters"][j]) for r in ranks)
+                scale = scale_from_amax(whole)
+                for r, b in zip(ranks, bufs):
+                    assert torch.equal(b["scale_inv"], scale.reciprocal().reshape(b["scale_inv"].shape)), (step, j)
+                    assert torch.equal(b["data"], quantize_per_tensor(r[step]["masters"][j], scale)), (step, j)
+            else:
+                whole = max(amax(r[step]["masters"][j]) for r in ranks)
+                for r, b in zip(ranks, bufs):
+                    data, scale, gsi = quantize_nvfp4(r[step]["masters"][j], (1, 16), global_amax=whole)
+                    assert torch.equal(b["data"], data) and torch.equal(b["scale_e4m3"], scale), (step, j)
+                    assert torch.equal(b["global_scale_inv"], gsi), (step, j)
+    # torch.optim semantics per shard: a step counts where the rank had the grad
+    assert ranks[0]["step1"]["steps"] == [3.0, 3.0, 2.0] and ranks[1]["step1"]["steps"] == [2.0, 1.0, 1.0]
+
+
+@pytest.mark.distributed
+def test_a_nan_in_one_shard_reaches_every_ranks_shared_scale():
+    """The shared amax is reduced NaN-first (int32 bit patterns), for NVFP4's global amax as for FP8: a float
+    MAX may keep a finite value on one rank and NaN on another, and the shards would silently disagree."""
+    import math
+
+    for r in launch(arf.shared_scale_of_a_nan_shard, world_size=2, device="cpu", timeout=120, collective_timeout=20):
+        assert math.isnan(r["fp8_scale_inv"]) and math.isnan(r["nvfp4_global_scale_inv"]), r

@@ -376,3 +376,14 @@ def test_clone_forks_the_delayed_scaling_state():
         assert torch.equal(dq.amax_history, hist) and torch.equal(dq.scale, scale) and dq.steps == 1
     assert q.detach().quantizer is dq and q[1:].quantizer is dq and q.view(-1).quantizer is dq
     assert CurrentScaling("e4m3").quantize(torch.ones(2)).clone().quantizer is not None
+
+
+def test_a_device_move_keeps_the_delayed_scaling_state():
+    """``.to(device)`` (``_to_copy``) is a move: the copy keeps the quantizer, so the history goes on where
+    ``model.to(device)`` put the parameters instead of restarting (``clone`` is the fork)."""
+    dq = DelayedScaling("e4m3", history_len=4)
+    q = dq.quantize(torch.ones(4, 4))
+    moved = q.to("cpu", copy=True)  # reaches _to_copy as a device move would
+    assert moved.quantizer is dq and moved.raw_buffers()["data"].data_ptr() != q.raw_buffers()["data"].data_ptr()
+    moved.copy_(torch.full((4, 4), 100.0))
+    assert dq.amax_history[0].item() == 100.0 and dq.steps == 2

@@ -44,7 +44,7 @@ import torch
 from tutorial_lib.quant.float8 import CurrentScaling
 from tutorial_lib.quant.per_tensor import all_reduce_amax, amax
 
-__all__ = ["batchable", "requantize"]
+__all__ = ["all_reduce_amax_and_presence", "batchable", "grouped", "requantize"]
 
 
 def batchable(local: torch.Tensor) -> bool:
@@ -58,7 +58,32 @@ def batchable(local: torch.Tensor) -> bool:
     return type(q) is CurrentScaling and q.group is not None and not q.group_dropped
 
 
-def requantize(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, batched: bool = True) -> int:
+def grouped(local: torch.Tensor) -> bool:
+    """True if ``local``'s quantizer reduces over a live process group (per-tensor FP8 or NVFP4 with
+    ``group=``): refreshing it is a collective, which every rank of the group must join."""
+    q = getattr(local, "quantizer", None)
+    return getattr(q, "group", None) is not None and not getattr(q, "group_dropped", False)
+
+
+def all_reduce_amax_and_presence(amaxes: torch.Tensor, present: torch.Tensor | None, group) -> torch.Tensor:
+    """ONE MAX all-reduce of ``[amaxes | present]``: the amaxes in place (as :func:`all_reduce_amax`), and
+    per tensor whether ANY rank updated it (int32 0/1, returned). ``present=None``: this rank updated all.
+
+    A rank without the grad of a parameter whose scale is shared over the group must still join the
+    collective, and must learn whether another rank updated the parameter: then its own shard is
+    rewritten with the shared scale; if none did, nothing changes. Both answers travel in the one
+    collective the update needs anyway, so a rank that holds every grad reads nothing back."""
+    n = amaxes.numel()
+    flags = (torch.ones(n, dtype=torch.int32, device=amaxes.device) if present is None
+             else present.to(device=amaxes.device, dtype=torch.int32))
+    both = torch.cat([amaxes.reshape(-1).view(torch.int32), flags])
+    all_reduce_amax(both.view(torch.float32), group)  # int32 MAX: amax bit patterns, then 0/1 flags
+    amaxes.copy_(both[:n].view(torch.float32).reshape(amaxes.shape))
+    return both[n:]
+
+
+def requantize(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, batched: bool = True,
+               has_grad: list[bool] | None = None) -> int:
     """``local.copy_(master)`` for every ``(local, master)`` pair, the amax all-reduces batched.
 
     Pairs that pass :func:`batchable` are grouped by process group (first-seen order, the same on
@@ -67,8 +92,18 @@ def requantize(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, batched: bool 
     root, as ``copy_`` does). Every other pair (block formats, delayed scaling, no group) is
     requantized by ``copy_`` as before.
     ``batched=False``: every pair by ``copy_`` (one all-reduce per current-scaled parameter).
+
+    ``has_grad``: which masters this rank updated (an optimizer step; every rank passes EVERY pair, in
+    the same order). A pair without an update is left alone -- unless its quantizer reduces over a
+    group (:func:`grouped`) and another rank updated its tensor: the scale is shared, so this rank's
+    shard is rewritten with it. The ranks learn that from the collective itself (current scaling:
+    :func:`all_reduce_amax_and_presence`, the shard's unchanged amax joining the reduction; other
+    grouped formats: one all-reduce of the flags per group before their ``copy_``), and a rank that
+    updated every pair reads nothing back. ``None``: every pair is written (the old contract).
     Returns the number of amax all-reduces issued by the batched route.
     """
+    if has_grad is not None:
+        return _requantize_updated(pairs, batched, has_grad)
     groups: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for local, master in pairs:
         if batched and batchable(local):
@@ -83,3 +118,40 @@ def requantize(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, batched: bool 
         for j, ((target, values), (local, _)) in enumerate(zip(targets, items)):
             local.quantizer.quantize_into(target, values, reduced_amax=amaxes[j])
     return len(groups)
+
+
+def _requantize_updated(pairs: list, batched: bool, has_grad: list[bool]) -> int:
+    """:func:`requantize` with ``has_grad``: the same collectives on every rank, whatever it updated."""
+    if len(has_grad) != len(pairs):
+        raise ValueError(f"has_grad has {len(has_grad)} entries for {len(pairs)} pairs")
+    current: dict[int, list[int]] = {}  # process group -> pair indices: amax + presence, one collective
+    other: dict[int, list[int]] = {}  # grouped, another format (NVFP4): presence first, then copy_
+    for k, (local, master) in enumerate(pairs):
+        if batchable(local):
+            current.setdefault(id(local.quantizer.group) if batched else -1 - k, []).append(k)
+        elif grouped(local):
+            other.setdefault(id(local.quantizer.group), []).append(k)
+        elif has_grad[k]:
+            local.copy_(master)  # no collective: only an updated master is written
+    for ks in current.values():
+        group = pairs[ks[0]][0].quantizer.group
+        targets = [pairs[k][0].requantize_target(pairs[k][1]) for k in ks]
+        amaxes = torch.stack([amax(values) for _, values in targets])
+        missing = not all(has_grad[k] for k in ks)
+        flags = torch.tensor([has_grad[k] for k in ks], dtype=torch.int32) if missing else None
+        present = all_reduce_amax_and_presence(amaxes, flags, group)
+        write = [has_grad[k] or p for k, p in zip(ks, present.tolist())] if missing else [True] * len(ks)
+        for j, (k, (target, values)) in enumerate(zip(ks, targets)):
+            if write[j]:
+                pairs[k][0].quantizer.quantize_into(target, values, reduced_amax=amaxes[j])
+    for ks in other.values():
+        missing = not all(has_grad[k] for k in ks)
+        device = pairs[ks[0]][1].device
+        flags = (torch.tensor([has_grad[k] for k in ks], dtype=torch.int32).to(device) if missing
+                 else torch.ones(len(ks), dtype=torch.int32, device=device))
+        all_reduce_amax(flags.view(torch.float32), pairs[ks[0]][0].quantizer.group)  # MAX of 0/1 flags
+        present = flags.tolist() if missing else [1] * len(ks)
+        for k, p in zip(ks, present):
+            if has_grad[k] or p:
+                pairs[k][0].copy_(pairs[k][1])  # the format's own collective: joined by every rank
+    return len(current) if batched else 0

@@ -41,6 +41,13 @@ every rank plans the same buckets whichever grads it holds (an FP8 bucket's amax
 match across ranks), and a checkpoint holds the state of every trainable parameter, used or not, which
 loading needs (a step-0 entry continues in ``torch.optim.AdamW`` exactly as no entry would).
 
+A quantizer that reduces over a process group (per-tensor FP8 or NVFP4 with ``group=``) gives every
+rank's shard ONE scale. FSDP2 hands every rank the grads of the same parameters; code that does not
+(a rank holding no grad for a parameter, or for a whole group) still steps safely: every rank issues
+the same collectives, the collective tells a rank without the grad whether another rank updated the
+tensor -- then its shard is requantized with the shared scale (delayed scaling: the same history
+entry) -- and a tensor no rank updated keeps its bytes (``tutorial_lib.optim.amax_reduce``).
+
 Optimizer state (``self.state[p]``), all fp32, DTensors with ``p``'s mesh and placements when
 ``p`` is a DTensor, so DCP saves and reshards it like the parameters::
 
@@ -292,7 +299,7 @@ class FusedAdam(torch.optim.Optimizer):
         grads, addresses, dtensor_grads = plan.grads_and_addresses()
         if addresses != plan.last_grad_addresses:  # one C-level list comparison
             plan.refresh_grads(grads, addresses, dtensor_grads)
-        if not plan.any_active:
+        if not plan.any_active and not plan.collective:  # a collective is joined even without a grad
             return None
         if plan.capturable:
             plan.write_group_scalars(group)
@@ -315,14 +322,15 @@ class FusedAdam(torch.optim.Optimizer):
         kw = dict(lr=lr, betas=(beta1, beta2), eps=group["eps"], weight_decay=wd, num_warps=group["num_warps"])
         for b in plan.buckets:
             if b.route == "fp8_fused":
-                fp8_delayed_step(b, b.hyper, grads, kw)
+                fp8_delayed_step(b, b.hyper, grads, kw, plan.all_active)
             elif b.fused_format == "fp8_current":
-                fp8_current_step(b, b.hyper, grads, kw)
+                fp8_current_step(b, b.hyper, grads, kw, plan.all_active)
             else:
                 launch_adamw(b.tables, b.hyper, **kw)
             if b.route == "requantize" and b.fused_format is None:  # the format requantizes the new master
-                requantize([b.pairs[j] for j, i in enumerate(b.members) if grads[i] is not None],
-                           batched=group.get("batch_amax_reduce", True))
+                requantize(b.pairs, batched=group.get("batch_amax_reduce", True),
+                           has_grad=[True] * len(b.members) if plan.all_active else
+                           [grads[i] is not None for i in b.members])
 
     # -- CUDA graphs ------------------------------------------------------------------------
     def capture(self) -> None:

@@ -41,6 +41,7 @@ from tutorial_kernels.adam_capturable import bias_correction_table, launch_step_
 from tutorial_kernels.adam_tables import AdamTables, build_tables, copy_to_device, raw_address, set_grads
 
 from tutorial_lib.optim.adamw_reference import adam_step_scalars, adam_step_scalars_tensor
+from tutorial_lib.optim.amax_reduce import grouped
 from tutorial_lib.optim.fused_adam_routes import (
     MASTER_ROUTES,
     ROUTES,
@@ -85,7 +86,7 @@ class Bucket:
     index: torch.Tensor | None  # CPU int64 members, None when members == all params in order
     tables: AdamTables
     quantizers: list = field(default_factory=list)  # fp8_fused, and fused current scaling
-    pairs: list = field(default_factory=list)  # requantize: (local quantized tensor, master local)
+    pairs: list = field(default_factory=list)  # quantized routes: (local quantized tensor, master local)
     hyper: torch.Tensor | None = None  # fp32 [2, n] ([3, n] capturable) on the device: this step's scalars
     fused_format: str | None = None  # requantize route done by kernels: "mxfp8", "fp8_1x128", "fp8_current"
     current: tuple | None = None  # fp8_current: the quantizers' (fmt, pow2_scales, amax_eps, group)
@@ -202,7 +203,7 @@ class Plan:
                 scale_name = "scale_e8m0" if block_fmt[0] == "mxfp8" else "scale_inv"
                 outs = [locs[i].raw_buffers()["data"] for i in members]
                 invs = [locs[i].raw_buffers()[scale_name] for i in members]
-            elif route == "requantize":
+            if route in ("fp8_fused", "requantize"):  # quantized locals and their masters
                 pairs = [(locs[i], w[j]) for j, i in enumerate(members)]
             out_kind = block_fmt[0] if block_fmt else "fp8_current" if current else {
                 "lowp_master": "lowp", "fp8_fused": "fp8"}.get(route, "none")
@@ -216,6 +217,8 @@ class Plan:
             if self.capturable and index is not None:
                 bucket.device_index = index.to(self.device)
             self.buckets.append(bucket)
+        # a quantizer reducing over a process group: every rank joins the step's collectives, grads or not
+        self.collective = any(grouped(local) for b in self.buckets for local, _ in b.pairs)
 
     def built_for(self, group: dict) -> bool:
         """Still ``group`` and its unedited ``params`` list? (Else: groups reordered, a list replaced or appended

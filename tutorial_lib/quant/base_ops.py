@@ -91,7 +91,11 @@ def _handle_clone(func, args, kwargs):
 
 @QuantizedTensor.implements(aten._to_copy.default)
 def _handle_to_copy(func, args, kwargs):
-    """_to_copy: .to(device) moves buffers, stays quantized; .float()/.to(float dtype) -> PLAIN dequantized."""
+    """_to_copy: .to(device) moves buffers, stays quantized; .float()/.to(float dtype) -> PLAIN dequantized.
+
+    A move keeps the quantizer (unlike ``clone``, which forks it): ``model.to("cuda")`` replaces the
+    parameters, and a delayed-scaling history must travel with them, not restart. Keeping both the
+    original and its moved copy in use makes them share one history: ``clone()`` one of them."""
     t = args[0]
     dtype = kwargs.get("dtype") or t.dtype
     if not dtype.is_floating_point or kwargs.get("layout") not in (None, torch.strided):

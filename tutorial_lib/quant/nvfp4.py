@@ -34,7 +34,6 @@ Example::
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from tutorial_kernels.nvfp4_dequantize import NVFP4_DEQUANTIZE_DTYPES, nvfp4_dequantize
 
 from tutorial_lib.quant.block import (
@@ -53,6 +52,7 @@ from tutorial_lib.quant.block import (
     to_e4m3_bytes,
 )
 from tutorial_lib.quant.formats import decode, encode
+from tutorial_lib.quant.per_tensor import all_reduce_amax
 from tutorial_lib.quant.scale_group import ScaleGroupMixin
 from tutorial_lib.quant.tensor import add_safe_global
 
@@ -244,7 +244,7 @@ class NVFP4Quantizer(ScaleGroupMixin, BlockQuantizer):
         amax = tensor_amax(hp)
         group = self.amax_group()
         if group is not None:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+            all_reduce_amax(amax, group)  # NaN-first (int32 bit patterns): one NaN shard, a NaN scale everywhere
         data, scale, gsi = quantize_nvfp4(hp, self.block, global_amax=amax)
         return {"data": data, "scale_e4m3": scale, "global_scale_inv": gsi}
 
