@@ -59,7 +59,7 @@ def _nvfp4_dequantize_kernel(data_ptr, scale_ptr, gsi_ptr, out_ptr, M, KB, TILE_
     pid = tl.program_id(0)  # tiles numbered row tile fastest, as a (row tiles, column tiles) grid would run them
     row_tiles = tl.cdiv(M, ROWS)
     rows = (pid % row_tiles).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = (pid // row_tiles) * 32 + tl.arange(0, 32)  # byte columns
+    cols = (pid // row_tiles).to(tl.int64) * 32 + tl.arange(0, 32)  # byte columns (a row may pass 2**30 bytes)
     ok = (rows < M)[:, None] & (cols < KB)[None, :]
     packed = tl.load(data_ptr + rows[:, None] * KB + cols[None, :], mask=ok, other=0).to(tl.int32)
     n_sb = KB // 8  # scale columns: 16 elements = 8 bytes per block
@@ -67,7 +67,7 @@ def _nvfp4_dequantize_kernel(data_ptr, scale_ptr, gsi_ptr, out_ptr, M, KB, TILE_
     denom = decode_fp8(s_code, "e4m3") * tl.load(gsi_ptr)
     lo = _e2m1_to_fp32(packed & 0xF) * denom
     hi = _e2m1_to_fp32(packed >> 4) * denom
-    out = out_ptr + rows[:, None] * (2 * KB) + 2 * cols[None, :]
+    out = out_ptr + rows[:, None] * KB * 2 + 2 * cols[None, :]  # int64 products (2 * KB could wrap in int32)
     if OUT_BF16:  # RNE on both backends (the interpreter's own cast truncates and flushes subnormals)
         tl.store(out, to_bf16(lo), mask=ok)
         tl.store(out + 1, to_bf16(hi), mask=ok)

@@ -30,7 +30,7 @@ def _transpose_kernel(x_ptr, out_ptr, rows, cols, BLOCK: tl.constexpr):
     pid = tl.program_id(0)  # tiles numbered row tile fastest, as a (row tiles, column tiles) grid would run them
     row_tiles = tl.cdiv(rows, BLOCK)
     r = (pid % row_tiles) * BLOCK + tl.arange(0, BLOCK)
-    c = (pid // row_tiles) * BLOCK + tl.arange(0, BLOCK)
+    c = (pid // row_tiles).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # int64: up to 2**31 - 1 columns
     tile = tl.load(x_ptr + r[:, None].to(tl.int64) * cols + c[None, :],
                    mask=(r[:, None] < rows) & (c[None, :] < cols))
     tl.store(out_ptr + c[:, None].to(tl.int64) * rows + r[None, :], tl.trans(tile),

@@ -80,9 +80,12 @@ def _peer_error_needing_more_than_a_message(root: str) -> None:
     from tutorial_lib.dist.agreement import every_rank_or_none
     from tutorial_lib.dist.checkpoint_checks import UnsafeCheckpointError
 
-    with every_rank_or_none("reading the item"):
-        if dist.get_rank() == 1:
-            raise UnsafeCheckpointError("item 'x' was refused", "x")  # its __init__ also needs the key
+    try:
+        with every_rank_or_none("reading the item"):
+            if dist.get_rank() == 1:
+                raise UnsafeCheckpointError("item 'x' was refused", "x")  # its __init__ also needs the key
+    except UnsafeCheckpointError as exc:  # every rank: the class, and its .key came along
+        raise UnsafeCheckpointError(f"{exc} [key={exc.key}]", exc.key) from None
 
 
 def _nothing_fails(root: str) -> None:

@@ -108,3 +108,22 @@ def shared_scale_of_a_nan_shard() -> dict:
     fp8 = CurrentScaling("e4m3", group=world).quantize(x)
     return {"nvfp4_global_scale_inv": nv.raw_buffers()["global_scale_inv"].item(),
             "fp8_scale_inv": fp8.raw_buffers()["scale_inv"].item()}
+
+
+def group_set_after_the_plan_was_built() -> dict:
+    """Delayed-scaling FP8 parameters built without a group, stepped, then given the world group (``set_group``):
+    a step where rank 1 holds no grad at all must still have rank 1 join the amax all-reduce."""
+    from tutorial_lib.quant.float8 import DelayedScaling
+
+    gen = torch.Generator().manual_seed(3 + dist.get_rank())
+    ps = [torch.nn.Parameter(DelayedScaling("e4m3", history_len=4).quantize(torch.randn(4, 32, generator=gen)))
+          for _ in range(2)]
+    opt = FusedAdam(ps, lr=0.1, master_weights=True)
+    for p in ps:
+        p.grad = torch.randn(4, 32, generator=gen)
+    opt.step()  # the plan is built: no quantizer reduces over a group yet
+    for p in ps:
+        p.quantizer.set_group(dist.group.WORLD)
+        p.grad = torch.randn(4, 32, generator=gen) if dist.get_rank() == 0 else None
+    opt.step()
+    return {"histories": [p.quantizer.amax_history.tolist() for p in ps]}

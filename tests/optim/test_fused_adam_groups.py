@@ -254,3 +254,11 @@ def test_a_nan_in_one_shard_reaches_every_ranks_shared_scale():
 
     for r in launch(arf.shared_scale_of_a_nan_shard, world_size=2, device="cpu", timeout=120, collective_timeout=20):
         assert math.isnan(r["fp8_scale_inv"]) and math.isnan(r["nvfp4_global_scale_inv"]), r
+
+
+@pytest.mark.distributed
+def test_a_group_set_after_the_plan_was_built_is_joined_by_a_rank_without_grads():
+    r0, r1 = launch(arf.group_set_after_the_plan_was_built, world_size=2, device="cpu", timeout=120,
+                    collective_timeout=20)
+    # the newest entry, the one recorded with the group (older ones were each rank's own, before it was set)
+    assert [h[0] for h in r0["histories"]] == [h[0] for h in r1["histories"]]

@@ -44,6 +44,20 @@ def _rank_1_sees_another_run(cfg: TrainConfig) -> tuple[str, str]:
     return _outcome(cfg)
 
 
+def _rank_1_sees_a_checkpoint_ahead(cfg: TrainConfig) -> tuple[str, str]:
+    """Rank function: rank 1's file system shows a checkpoint past the start (stood in for by its check)."""
+    import torch.distributed as dist
+
+    import tutorial_lib.train.loop as loop
+
+    def ahead(out, start, steps, every):
+        raise FileExistsError(f"{out} holds a checkpoint of step 8, ahead of this run's start")
+
+    if dist.get_rank() == 1:
+        loop.check_no_checkpoints_ahead = ahead
+    return _outcome(cfg)
+
+
 def _cfg(out, **kw) -> TrainConfig:
     return TrainConfig(fmt="bf16", steps=1, size="tiny", batch_size=2, eval_windows=2, device="cpu", out=str(out),
                        progress=False, **kw)
@@ -71,3 +85,13 @@ def test_a_resume_one_rank_sees_as_another_run_stops_every_rank(tmp_path):
     per_rank = launch(_rank_1_sees_another_run, world_size=2, device="cpu", args=(_cfg(tmp_path, resume="latest"),),
                       timeout=300, collective_timeout=20)
     assert "this run differs" in _both_raise(per_rank, "RunMismatchError", 1)
+
+
+def test_rank_0_writes_nothing_when_another_ranks_check_of_the_run_directory_fails(tmp_path):
+    """Rank 0 writes ``run.json`` and starts ``metrics.jsonl`` (dropping records past the start) only once every
+    rank's check of the run directory passed: a run stopped by rank 1's check leaves rank 0's files as they were."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 3}\n')
+    per_rank = launch(_rank_1_sees_a_checkpoint_ahead, world_size=2, device="cpu", args=(_cfg(tmp_path),),
+                      timeout=300, collective_timeout=20)
+    assert "ahead of this run's start" in _both_raise(per_rank, "FileExistsError", 1)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 3}\n' and not (tmp_path / RUN_FILE).exists()

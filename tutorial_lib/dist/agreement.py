@@ -62,7 +62,8 @@ def every_rank_or_none(what: str, group=None) -> Iterator[None]:
     except Exception as exc:  # noqa: BLE001 - re-raised below, on this rank as it is
         error = exc
     # strings only: any exception can be sent, and a peer's report names no class for this rank to import
-    report = None if error is None else (type(error).__module__, type(error).__qualname__, str(error) or repr(error))
+    report = None if error is None else (type(error).__module__, type(error).__qualname__, str(error) or repr(error),
+                                         _plain_attributes(error))
     reports = [None] * dist.get_world_size(group)
     try:
         dist.all_gather_object(reports, report, group=group)
@@ -75,26 +76,44 @@ def every_rank_or_none(what: str, group=None) -> Iterator[None]:
     failed = [i for i, r in enumerate(reports) if r is not None]
     if not failed:
         return
-    module, qualname, message = reports[failed[0]]
+    module, qualname, message, attributes = reports[failed[0]]
     ranks = [i if group is None else dist.get_global_rank(group, i) for i in failed]
     text = f"rank {ranks[0]} of {dist.get_world_size()} failed {what}: {qualname.rsplit('.', 1)[-1]}: {message}"
     if len(ranks) > 1:
         text += f" (ranks {ranks[1:]} failed too)"
-    raise _rebuilt(module, qualname, text)
+    raise _rebuilt(module, qualname, text, attributes)
 
 
-def _rebuilt(module: str, qualname: str, text: str) -> Exception:
-    """An exception of the named class (as this rank already imported it) carrying ``text``, or of its nearest
-    base class that takes one message; :class:`PeerRankError` when there is none."""
+def _plain_attributes(error: Exception) -> dict:
+    """The attributes of ``error`` that are plain values (e.g. ``UnsafeCheckpointError.key``): sent along."""
+    return {k: v for k, v in vars(error).items()
+            if not k.startswith("_") and (v is None or type(v) in (str, int, float, bool))}
+
+
+def _rebuilt(module: str, qualname: str, text: str, attributes: dict | None = None) -> Exception:
+    """An exception of the named class (as this rank already imported it) carrying ``text`` and the peer's plain
+    ``attributes``, else of its nearest base class that takes one message; :class:`PeerRankError` if none."""
     cls = sys.modules.get(module)  # nothing is imported on a peer's word
     for part in qualname.split("."):
         cls = getattr(cls, part, None)
     if isinstance(cls, type) and issubclass(cls, Exception):
-        for base in cls.__mro__:
+        try:
+            return cls(text)
+        except Exception:  # noqa: BLE001 - an __init__ that needs more than a message (e.g. a key it names)
+            pass
+        try:  # the class itself, so that `except ThatError` catches it here too: the message, the plain attributes
+            exc = cls.__new__(cls)
+            Exception.__init__(exc, text)
+            exc.__dict__.update(attributes or {})
+            str(exc)  # a __str__ reading an attribute that did not come along: not usable
+            return exc
+        except Exception:  # noqa: BLE001
+            pass
+        for base in cls.__mro__[1:]:
             if not issubclass(base, Exception):
                 break
             try:
                 return base(text)
-            except Exception:  # noqa: BLE001 - an __init__ that needs more than a message (e.g. a key it names)
+            except Exception:  # noqa: BLE001
                 continue
     return PeerRankError(text)

@@ -299,7 +299,7 @@ class FusedAdam(torch.optim.Optimizer):
         grads, addresses, dtensor_grads = plan.grads_and_addresses()
         if addresses != plan.last_grad_addresses:  # one C-level list comparison
             plan.refresh_grads(grads, addresses, dtensor_grads)
-        if not plan.any_active and not plan.collective:  # a collective is joined even without a grad
+        if not plan.any_active and not plan.collective():  # a collective is joined even without a grad
             return None
         if plan.capturable:
             plan.write_group_scalars(group)

@@ -217,8 +217,11 @@ class Plan:
             if self.capturable and index is not None:
                 bucket.device_index = index.to(self.device)
             self.buckets.append(bucket)
-        # a quantizer reducing over a process group: every rank joins the step's collectives, grads or not
-        self.collective = any(grouped(local) for b in self.buckets for local, _ in b.pairs)
+
+    def collective(self) -> bool:
+        """Does a quantizer reduce over a process group (asked now: ``set_group`` may have changed it since the
+        build)? Then every rank joins the step's collectives, grads or not."""
+        return any(grouped(local) for b in self.buckets for local, _ in b.pairs)
 
     def built_for(self, group: dict) -> bool:
         """Still ``group`` and its unedited ``params`` list? (Else: groups reordered, a list replaced or appended

@@ -290,12 +290,14 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     start = load_training_checkpoint(model, opt, resume_path) if resume_path else 0
     if start > cfg.steps:
         raise ValueError(f"checkpoint {resume_path} is at step {start}, past steps={cfg.steps}")
-    # what each rank sees under out, and what rank 0 alone writes there: every rank trains, or every rank raises
-    with every_rank_or_none(f"preparing the run directory {cfg.out}"):
+    # what each rank sees under out, then what rank 0 alone writes there (only once every rank's check passed):
+    # every rank trains, or every rank raises
+    with every_rank_or_none(f"checking the run directory {cfg.out}"):
         if cfg.out is not None:
             check_no_checkpoints_ahead(cfg.out, start, cfg.steps, cfg.ckpt_every)  # every save would succeed
-            if rank == 0:
-                write_run_definition(cfg.out, definition)
+    with every_rank_or_none(f"writing the run definition and metrics log into {cfg.out}"):
+        if cfg.out is not None and rank == 0:
+            write_run_definition(cfg.out, definition)
         log = MetricsLog(None if cfg.out is None else os.path.join(cfg.out, "metrics.jsonl"), enabled=rank == 0)
         log.begin(start, format=cfg.fmt, matmul=matmul, world_size=ws, device=dev.type, n_params=model_cfg.n_params(),
                   resume=resume_path, torch=torch.__version__, config=dataclasses.asdict(cfg))  # drops steps > start
