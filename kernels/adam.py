@@ -144,7 +144,7 @@ def _block_requantize(w, o_ptr, s_ptr, offs, mask, rows, row_mask, OUT: tl.const
     """E4M3 bytes and per-row scales of a [R, G] tile of new fp32 masters (one row = one block).
 
     MXFP8 (G = 32), as ``tutorial_lib.quant.mxfp8.quantize_mxfp8``: e = floor(log2 amax) - 8 (rceil:
-    +1 when amax's mantissa exceeds 1.75), bytes of w * 2**-e, scale byte e + 127. FP8 1x128 (G =
+    +1 when amax's mantissa exceeds 1.75; at most 119), bytes of w * 2**-e, scale byte e + 127. FP8 1x128 (G =
     128), as ``quantize_fp8_blockwise``: the 1x128 quantize kernels' own rule
     (``tutorial_kernels.blockwise_quant.quantize_blocks``). A block holding NaN/inf: NaN bytes (0x7F)
     and a NaN scale (E8M0 code 255 / fp32 NaN), as the references."""
@@ -154,7 +154,7 @@ def _block_requantize(w, o_ptr, s_ptr, offs, mask, rows, row_mask, OUT: tl.const
         e = (amax_bits >> 23) - 127 - 8
         if RULE == "rceil":
             e += ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-        e = tl.minimum(tl.maximum(e, -127), 127)
+        e = tl.minimum(tl.maximum(e, -127), 119)  # 448 * 2**119 finite, 448 * 2**120 not (rceil could reach it)
         inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
         q = tl.where(nonfinite[:, None], 0x7F, encode_fp8(w * inv[:, None], "e4m3")).to(tl.uint8)
         code = tl.where(nonfinite, 255, e + 127).to(tl.uint8)

@@ -11,7 +11,8 @@ read once and written once as a byte, plus one fp32 scale per 128 elements. Each
              |
       tile [ROWS, 128] --> amax per row: integer max of the fp32 bits of |x| (NaN > inf > finite)
                        --> s = amax / 448, correctly rounded (tl.div_rn, like torch's division)
-                           pow2: s = 2**ceil(log2 s) from the bits, exponent clamped to [-127, 127]
+                           pow2: s = 2**ceil(log2 s) from the bits, exponent clamped to [-127, 119]
+                                 (448 * 2**119 is finite, 448 * 2**120 is not: larger x saturate)
                            amax == 0 -> s = 1;  s underflowed to 0 -> s = 2**-127
                        --> codes = e4m3(x / s)  (x * (1/s) for pow2: exact, so the same fp32)
                            a block holding NaN/inf -> codes 0x7F, s = NaN
@@ -80,7 +81,7 @@ def _scale_inv_from_amax(amax_bits, POW2: tl.constexpr):
     if POW2:  # 2**ceil(log2 s): exponent, +1 unless the mantissa is zero; clamp; rebuild from bits
         sb = s.to(tl.int32, bitcast=True)
         e = ((sb >> 23) & 0xFF) - 127 + ((sb & 0x7FFFFF) != 0).to(tl.int32)
-        e = tl.minimum(tl.maximum(e, -127), 127)
+        e = tl.minimum(tl.maximum(e, -127), 119)  # 2**119: the largest with 448 * s finite
         sb = tl.where(e == -127, 0x00400000, tl.maximum(e + 127, 1) << 23)
         s = sb.to(tl.float32, bitcast=True)
     sb = s.to(tl.int32, bitcast=True)

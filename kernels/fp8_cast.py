@@ -113,15 +113,19 @@ def _store(ptr, base, idx, value, n, BLOCK: tl.constexpr):
 @triton.jit
 def scale_from_amax(amax, amax_eps, FMT: tl.constexpr, POW2: tl.constexpr):
     """Mirror of tutorial_lib.quant.per_tensor.scale_from_amax (margin 0): fp32 scalar, NaN if amax is not finite.
-    A device function: every kernel that derives a current-scaling scale calls this one."""
+    A device function: every kernel that derives a current-scaling scale calls this one. A pow2 scale stops at
+    the smallest power of two that decodes fmax finite (E4M3: 2**-119, E5M2: 2**-112), as the reference's."""
     if FMT == "e4m3":
         fmax = 448.0
+        pow2_floor_bits = 0x04000000  # 2**-119
     else:
         fmax = 57344.0
+        pow2_floor_bits = 0x07800000  # 2**-112
     a = max_keep_nan(amax, amax_eps)  # a select, not max.NaN: the transposing kernels call this too
     scale = tl.div_rn(fmax, a)  # correctly rounded, like torch's division (plain / is approximate)
-    if POW2:
-        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    if POW2:  # an integer max of the bits (positive floats order like them): no float max.NaN
+        scale = tl.maximum(scale.to(tl.int32, bitcast=True) & 0x7F800000, pow2_floor_bits).to(tl.float32,
+                                                                                                bitcast=True)
     return tl.where(amax < float("inf"), scale, float("nan"))
 
 

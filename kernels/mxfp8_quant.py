@@ -12,7 +12,7 @@ blocks, i.e. a [ROWS, 32] tile of the flattened input::
       x (bf16, flat)   [ b0: 32 elements | b1: 32 elements | ... ]     one program: ROWS blocks
                               |                   |
       tile [ROWS, 32] --> amax per row (integer max of |x| bits: NaN-propagating)
-                      --> e = floor(log2 amax) - 8          (rceil: +1 if mantissa > 1.75)
+                      --> e = floor(log2 amax) - 8          (rceil: +1 if mantissa > 1.75), at most 119
                       --> y = x * 2**-e  (exact: a power of two built from bits)
                       --> E4M3 bytes, scale byte e + 127 (255 for a block holding NaN/inf)
 
@@ -68,7 +68,7 @@ def _mxfp8_quantize_kernel(x_ptr, data_ptr, scale_ptr, n_blocks, size_bucket,
     e = (amax_bits >> 23) - 127 - 8  # floor(log2 amax) - emax(E4M3)
     if RCEIL:
         e += ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)  # mantissa above 1.75: one binade up
-    e = tl.minimum(tl.maximum(e, -127), 127)
+    e = tl.minimum(tl.maximum(e, -127), 119)  # 119: the largest with 448 * 2**e finite (rceil could reach 120)
     inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2**-e, exact
     y = x * inv[:, None]
     if ROUND_IN_FP32:

@@ -85,6 +85,29 @@ def test_fused_requantize_equals_quantize_of_the_new_master(out, rule, lr):
         assert torch.isnan(masters[edge]).any() and torch.isinf(masters[edge]).any()
 
 
+@pytest.mark.parametrize("out,rule", FORMATS)
+def test_fused_requantize_near_float32_max_decodes_finite(out, rule):
+    """Masters near fp32's largest value (1x32 / 1x128 amaxes sweeping [0.875, 1] * FLT_MAX, plus 1.9375 *
+    2**127), lr=0: bytes and scales equal the references', and every block decodes finite (rceil's E8M0 and the
+    pow2 fp32 scale stop at 2**119, the largest that decodes 448 finite)."""
+    from tutorial_lib.quant.blockwise import dequantize_fp8_blockwise
+    from tutorial_lib.quant.mxfp8 import dequantize_mxfp8
+
+    gen = torch.Generator().manual_seed(90 + FORMATS.index((out, rule)))
+    group = kt.BLOCK_OUTS[out][0]
+    top = torch.tensor([torch.finfo(torch.float32).max] * 6 + [1.9375 * 2.0**127] * 2, dtype=torch.float64)
+    m = (torch.rand(8, 2 * group, generator=gen, dtype=torch.float64) - 0.5) * top.unsqueeze(1)
+    m[:, 0] = top * (1 - torch.arange(8) / 64) * (1 - 2 * (torch.arange(8) % 2))
+    m[:, group] = -top * (1 - torch.arange(8) / 128)
+    masters = [m.float().to(DEV)]
+    _, data, scales = _run(masters, out, rule, 0.0, gen)
+    ref_data, ref_scale = _reference(masters[0], out, rule)
+    assert torch.equal(data[0], ref_data), "element bytes differ"
+    assert torch.equal(scales[0], ref_scale), "scales differ"
+    deq = dequantize_mxfp8(data[0], scales[0]) if out == "mxfp8" else dequantize_fp8_blockwise(data[0], scales[0])
+    assert torch.isfinite(deq).all(), f"{(~torch.isfinite(deq)).sum().item()} values decode to inf"
+
+
 def test_block_tables_name_bad_input():
     z = torch.zeros(64, device=DEV)
     with pytest.raises(ValueError, match="block_rule in"):

@@ -14,7 +14,7 @@ import tutorial_kernels.adam as k
 import tutorial_kernels.adam_tables as kt
 from tutorial_kernels.adam_current_scaling import launch_current_scaling_cast
 
-from tutorial_lib.quant.per_tensor import amax, cast_current_scaling
+from tutorial_lib.quant.per_tensor import amax, cast_current_scaling, dequantize_per_tensor
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(5, 33), (0, 16), (1,), (64, 64), (3, 7)]
@@ -55,6 +55,26 @@ def test_cast_equals_the_reference_for_given_amaxes_and_skips_tensors_without_gr
         assert torch.equal(invs[i].reshape(()).view(torch.int32), ref.scale_inv.reshape(()).view(torch.int32)) \
             or (invs[i].isnan() and ref.scale_inv.isnan()), (i, float(invs[i]), float(ref.scale_inv))
     assert torch.isnan(invs[4]) and torch.all(data[4] & 0x7F == 0x7F), "a NaN amax makes every byte NaN"
+
+
+@pytest.mark.parametrize("fmt,pow2", [("e4m3", False), ("e4m3", True), ("e5m2", False), ("e5m2", True)])
+def test_cast_of_masters_near_float32_max_equals_the_reference_and_decodes_finite(fmt, pow2):
+    """Masters whose amax lies in fp32's top binade: the scale (floored for pow2 so that fmt.max * scale_inv is
+    finite) and the bytes equal the reference's, and every byte decodes to a finite value."""
+    big = [torch.finfo(torch.float32).max, 3.3e38, 1.9375 * 2.0**127, 1.75 * 2.0**127]
+    masters = [torch.tensor([a, -a, 0.9 * a, -a / 3, 1.0], dtype=torch.float64).float().to(DEV) for a in big]
+    data = [torch.zeros(m.shape, dtype=torch.uint8, device=DEV) for m in masters]
+    invs = [torch.zeros((), device=DEV) for _ in masters]
+    ms, vs = [torch.zeros_like(m) for m in masters], [torch.zeros_like(m) for m in masters]
+    tables = kt.build_tables(masters, ms, vs, grad_dtype=torch.float32, outs=data, out_kind="fp8_current",
+                             scale_invs=invs, fp8_format=fmt)
+    kt.set_grads(tables, torch.ones(len(masters), dtype=torch.int64))
+    tables.amax.copy_(torch.stack([amax(m) for m in masters]))
+    launch_current_scaling_cast(tables, pow2_scales=pow2)
+    for i, m in enumerate(masters):
+        ref = cast_current_scaling(m, fmt, pow2_scales=pow2)
+        assert torch.equal(data[i], ref.data) and torch.equal(invs[i], ref.scale_inv), (i, float(invs[i]))
+        assert torch.isfinite(dequantize_per_tensor(data[i].cpu(), invs[i].cpu(), fmt)).all(), (i, float(invs[i]))
 
 
 def test_adam_pass_takes_each_new_masters_amax():

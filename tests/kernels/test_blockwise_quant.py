@@ -12,7 +12,11 @@ import torch
 from tutorial_kernels.blockwise_quant import quantize_1x128, quantize_1x128_with_transpose, quantize_128x128
 
 import tutorial_lib.quant.blockwise as blockwise
-from tutorial_lib.quant.blockwise import quantize_fp8_1x128_with_transpose, quantize_fp8_blockwise
+from tutorial_lib.quant.blockwise import (
+    dequantize_fp8_blockwise,
+    quantize_fp8_1x128_with_transpose,
+    quantize_fp8_blockwise,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3_GRID = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
@@ -142,6 +146,29 @@ def test_division_not_reciprocal_multiply():
     x[:, 1:] = body.view(n, 127)
     x = x.to(DEV)
     _assert_identical(quantize_1x128(x), _reference(x))
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_near_float32_max_match_reference_and_decode_finite(dtype, pow2):
+    """[256, 128] topped by fp32's (bf16's) largest value and 1.9375 * 2**127, the 1x128 amaxes sweeping the top
+    binade's upper eighth: 1x128 (x and x.T's blocks), 128x128 and the one-read pair equal the reference bit
+    for bit, pow2 scale_inv stop at 2**119 (448 * 2**120 is inf), and every block decodes finite."""
+    g = torch.Generator().manual_seed(60)
+    x = torch.rand(256, 128, generator=g, dtype=torch.float64) - 0.5
+    x[:, 0] = (1 - torch.arange(256, dtype=torch.float64) % 128 / 1024) * (1 - 2 * (torch.arange(256) % 2))
+    tops = torch.tensor([torch.finfo(dtype).max, 1.9375 * 2.0**127], dtype=torch.float64)
+    x = (x * tops.repeat_interleave(128).unsqueeze(1)).to(dtype).to(DEV)
+    cases = [(quantize_1x128(x, pow2_scales=pow2), _reference(x, pow2), (1, 128)),
+             (quantize_1x128(x.t(), pow2_scales=pow2), _reference(x.t(), pow2), (1, 128)),
+             (quantize_128x128(x, pow2_scales=pow2),
+              quantize_fp8_blockwise(x, (128, 128), pow2_scales=pow2, backend="torch"), (128, 128))]
+    rows, cols = quantize_1x128_with_transpose(x, pow2_scales=pow2)
+    cases += [(rows, cases[0][1], (1, 128)), (cols, cases[1][1], (1, 128))]
+    for got, ref, block in cases:
+        _assert_identical(got, ref)
+        assert torch.isfinite(dequantize_fp8_blockwise(*got, block=block)).all()
+        assert not pow2 or got[1].max().item() == 2.0**119
 
 
 def test_routing_and_shapes():

@@ -149,6 +149,41 @@ def test_reduce_amax_hook_runs_between_the_passes():
         _assert_same_result(got, expect)
 
 
+# --------------------------------------------------------------------------- near float32's largest value
+
+_FP32_MAX = torch.finfo(torch.float32).max
+# top-binade amaxes: where a pow2 scale rounded down from fmax / amax decodes the largest codes to 2**128 = inf
+_NEAR_MAX = [_FP32_MAX, 3.3e38, 1.9375 * 2.0**127, 1.75 * 2.0**127 * (1 + 2.0**-23), 1.75 * 2.0**127]
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_near_float32_max_match_reference_and_decode_finite(fmt, pow2, dtype):
+    """Tensors whose amax is near fp32's (bf16's) largest value: every cast route (two passes, speculative with
+    a wrong and a right guess, fused with the transposed codes) equals the reference bit for bit, the scale of
+    a pow2 cast is floored so that fmt.max * scale_inv stays finite, and the codes decode finite."""
+    amaxes = _NEAR_MAX + ([torch.finfo(dtype).max] if dtype != torch.float32 else [])
+    for a in amaxes:
+        x = torch.tensor([a, -a, 0.9 * a, -a / 3, 1.0, 0.0], dtype=torch.float64).to(dtype)
+        if not torch.isfinite(x).all():
+            continue  # FLT_MAX is inf in bf16
+        x = x.to(DEV)
+        expect = ref.cast_current_scaling(x, fmt, pow2_scales=pow2)
+        assert torch.isfinite(FORMATS[fmt].max * expect.scale_inv), (a, expect.scale_inv.item())
+        got = k.cast_current_scaling(x, fmt, pow2_scales=pow2, block=BLOCK)
+        _assert_same_result(got, expect)
+        for guess in (torch.tensor(1.0, device=DEV), expect.scale):
+            _assert_same_result(k.cast_current_scaling(x, fmt, pow2_scales=pow2, scale_guess=guess, block=BLOCK),
+                                expect)
+        res, data_t = k.cast_current_scaling_with_transpose(x.reshape(2, 3), fmt, pow2_scales=pow2, fused=True)
+        _assert_same_result(res, ref.cast_current_scaling(x.reshape(2, 3), fmt, pow2_scales=pow2))
+        assert torch.equal(data_t, res.data.t().contiguous())
+        y = k.dequantize_per_tensor(got.data, got.scale_inv, fmt, torch.float32, block=BLOCK)
+        assert torch.isfinite(y).all(), (a, y.tolist())
+        assert torch.equal(y.cpu(), ref.dequantize_per_tensor(expect.data.cpu(), expect.scale_inv.cpu(), fmt))
+
+
 # --------------------------------------------------------------------------- with the transposed codes
 
 

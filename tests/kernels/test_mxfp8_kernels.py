@@ -37,6 +37,21 @@ def test_quantize_matches_reference_bytes(rounding, dtype):
     assert torch.equal(data, ref_data), f"{(data != ref_data).sum().item()} bytes differ"
 
 
+@pytest.mark.parametrize("rounding", ["floor", "rceil"])
+def test_blocks_near_float32_max_match_reference_and_decode_finite(rounding):
+    """Block amaxes sweeping [0.875, 1] * fp32's largest value: the kernel's bytes and E8M0 codes equal the
+    reference's (exponent capped at 119 for both roundings) and decode finite."""
+    top = torch.finfo(torch.float32).max
+    g = torch.Generator().manual_seed(31)
+    x = (torch.rand(64, 32, generator=g, dtype=torch.float64) - 0.5) * top
+    x[:, 0] = top * (1 - torch.arange(64, dtype=torch.float64) / 512) * (1 - 2 * (torch.arange(64) % 2))
+    x = x.float().to(DEV)
+    data, scale = mxfp8_quantize(x, rounding=rounding)
+    ref_data, ref_scale = quantize_mxfp8(x, rounding=rounding)
+    assert torch.equal(scale, ref_scale) and torch.equal(data, ref_data)
+    assert torch.isfinite(mxfp8_dequantize(data, scale)).all()
+
+
 def test_rounding_ties_and_subnormals_are_exact():
     # Every E4M3 magnitude and every midpoint between neighbours (ties -> even), placed in blocks
     # whose scale is 2**0 (a 256 anchor gives floor(log2 256) - 8 = 0), so x / X is the value itself.

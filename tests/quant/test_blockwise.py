@@ -88,6 +88,39 @@ def test_tiny_block_does_not_divide_by_zero():
     assert s.item() > 0 and torch.isfinite(dequantize_fp8_blockwise(data, s)).all()
 
 
+def _near_float32_max(dtype, seed=24):
+    """[256, 128]: two 128x128 tiles topped by fp32's (bf16's) largest value and by 1.9375 * 2**127; row r's
+    first element is +-top * (1 - r / 1024), so the 1x128 amaxes sweep [0.875 top, top] (where a pow2 scale
+    rounded up from amax / 448 to 2**120 would decode 448 or 256 to inf); the rest uniform in +-top / 2."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.rand(256, 128, generator=g, dtype=torch.float64) - 0.5)
+    x[:, 0] = (1 - torch.arange(256, dtype=torch.float64) % 128 / 1024) * torch.where(
+        torch.arange(256) % 2 == 0, 1.0, -1.0)
+    tops = torch.tensor([torch.finfo(dtype).max, 1.9375 * 2.0**127], dtype=torch.float64)
+    return (x * tops.repeat_interleave(128).unsqueeze(1)).to(dtype)
+
+
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_near_float32_max_decode_finite(block, pow2, dtype):
+    """Finite input near fp32's largest value decodes finite: within the rounding bound, or -- a pow2 scale_inv
+    capped at 2**119, the largest that decodes 448 finite -- saturated to +-448 * 2**119 = 1.75 * 2**127."""
+    x = _near_float32_max(dtype)
+    data, s = quantize_fp8_blockwise(x, block=block, pow2_scales=pow2, backend="torch")
+    out = dequantize_fp8_blockwise(data, s, block=block)
+    assert torch.isfinite(out).all(), f"{(~torch.isfinite(out)).sum().item()} values decode to inf"
+    assert torch.isfinite(dequantize_fp8_blockwise(data, s, block=block, dtype=dtype)).all()
+    assert torch.isfinite(448.0 * s).all()
+    if pow2:
+        assert s.max().item() == 2.0**119 and (torch.frexp(s)[0] == 0.5).all()
+    se = expand_scales(s, (128,) if block[0] == 1 else block).double()
+    y = x.double() / se
+    # half a gap (saturation: |y| - 448), and half an fp32 ulp each for x / scale_inv and code * scale_inv
+    bound = rounding_error_bound(y, E4M3_GRID) * se + (y.abs() * se + out.double().abs()) * 2.0**-24
+    assert ((out.double() - x.double()).abs() <= bound).all()
+
+
 def test_bad_shapes_and_blocks_are_clear_errors():
     with pytest.raises(ValueError, match="last dim 100 .* 128-element FP8 blockwise block"):
         quantize_fp8_blockwise(torch.randn(4, 100))

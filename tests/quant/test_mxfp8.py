@@ -98,6 +98,27 @@ def test_round_trip_within_half_ulp_times_scale(rounding, dtype):
         assert ((amax_scaled >= 256) & (amax_scaled < 512)).all()
 
 
+@pytest.mark.parametrize("rounding", ["floor", "rceil"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_near_float32_max_decode_finite(rounding, dtype):
+    """Blocks whose amax sweeps [0.875, 1] * fp32's (bf16's) largest value decode finite: the exponent stops at
+    119 (448 * 2**119 = 1.75 * 2**127 is finite, 448 * 2**120 is not), where rceil's "one binade up" would decode
+    256 to inf; such blocks saturate to +-448 * 2**119, like floor's. Within the rounding bound everywhere."""
+    top = torch.finfo(dtype).max
+    g = torch.Generator().manual_seed(12 + len(rounding))
+    x = (torch.rand(64, 32, generator=g, dtype=torch.float64) - 0.5) * top
+    x[:, 0] = top * (1 - torch.arange(64, dtype=torch.float64) / 512) * (1 - 2 * (torch.arange(64) % 2))
+    x = x.to(dtype)
+    data, scale = quantize_mxfp8(x, rounding=rounding)
+    assert scale.max().item() == 127 + 119
+    x_hat = dequantize_mxfp8(data, scale)
+    assert torch.isfinite(x_hat).all(), f"{(~torch.isfinite(x_hat)).sum().item()} values decode to inf"
+    assert torch.isfinite(dequantize_mxfp8(data, scale, dtype=dtype)).all()
+    s = e8m0_to_fp32(scale).repeat_interleave(32, dim=-1).double()
+    bound = rounding_error_bound(x.double() / s, E4M3_GRID) * s  # saturation: |x / s| - 448
+    assert ((x_hat.double() - x.double()).abs() <= bound).all()
+
+
 def test_bf16_input_equals_its_fp32_upcast():
     x = torch.randn(4, 96, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     for a, b in zip(quantize_mxfp8(x), quantize_mxfp8(x.float())):

@@ -341,6 +341,73 @@ def test_margin_never_underflows_the_scale(amax_value, margin, pow2, fmt):
     assert torch.isfinite(deq).all() and torch.all((deq - x.double()).abs() <= rtol * x.double().abs() + atol)
 
 
+_FP32_MAX = torch.finfo(torch.float32).max
+# amaxes in float32's top binade: its largest value, and around 1.75 * 2**127 and 1.9375 * 2**127, where a power-of-two
+# scale rounded down from fmax / amax would let the codes reach 256 (E4M3) and 2**16 (E5M2): 2**128 after decoding
+_NEAR_MAX = [_FP32_MAX, -3.3e38, 1.9375 * 2.0**127, 1.75 * 2.0**127 * (1 + 2.0**-23), 1.75 * 2.0**127, 2.0**127]
+
+
+def _near_max_cases(dtype):
+    """Tensors [a, -a, 0.9a, -a/3, 1, 0] for the top-binade amaxes that ``dtype`` holds (bf16: also its largest)."""
+    amaxes = _NEAR_MAX + ([torch.finfo(dtype).max, -torch.finfo(dtype).max] if dtype != torch.float32 else [])
+    out = []
+    for a in amaxes:
+        x = torch.tensor([a, -a, 0.9 * a, -a / 3, 1.0, 0.0], dtype=torch.float64).to(dtype)
+        if torch.isfinite(x).all():
+            out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_every_scale_of_a_top_binade_amax_decodes_the_largest_code_finite(fmt):
+    """For every 7th fp32 amax in [2**127, max] (~1.2M): fmt.max * scale_inv is finite with and without pow2
+    scales, and a pow2 scale is the largest power of two <= fmax / amax -- or, where that one would let
+    fmt.max decode to inf, the smallest power of two that does not (E4M3: 2**-119, E5M2: 2**-112)."""
+    fmax = FORMATS[fmt].max
+    a = torch.arange(0x7F000000, 0x7F800000, 7, dtype=torch.int32).view(torch.float32)
+    a = torch.cat([a, torch.tensor([_FP32_MAX])])
+    for pow2 in (False, True):
+        assert torch.isfinite(fmax * scale_from_amax(a, fmt, pow2_scales=pow2).reciprocal()).all(), pow2
+    s_min = 2.0 ** (-119 if fmt == "e4m3" else -112)
+    assert fmax / s_min <= _FP32_MAX < fmax / (s_min / 2)  # the smallest power of two that keeps fmax finite
+    _, e = torch.frexp(scale_from_amax(a, fmt))  # fmax / amax = m * 2**e, m in [0.5, 1)
+    expect = torch.clamp_min(torch.ldexp(torch.ones_like(a), e - 1), s_min)
+    assert torch.equal(scale_from_amax(a, fmt, pow2_scales=True), expect)
+    for margin in (1, 64):  # delayed scaling's margin floor: the same finite-decoding scale
+        assert scale_from_amax(torch.tensor(_FP32_MAX / 2), fmt, pow2_scales=True, margin=margin).item() == s_min
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_near_float32_max_round_trip_finite(fmt, pow2, dtype):
+    """Finite input near fp32's (or bf16's) largest value decodes finite: within half an ulp, or -- a pow2 scale
+    floored so that fmt.max still decodes finite -- saturated to +-fmt.max * scale_inv, the largest value the
+    scale represents. Current and delayed scaling (with a margin), nominal dtype and fp32."""
+    spec = FORMATS[fmt]
+    for x in _near_max_cases(dtype):
+        for qz in (CurrentScaling(fmt, pow2_scales=pow2), DelayedScaling(fmt, history_len=1, pow2_scales=pow2,
+                                                                         margin=3)):
+            if isinstance(qz, DelayedScaling):
+                qz.cast(x)  # records the amax: the next scale comes from it
+            q = qz.quantize(x)
+            # (not in bf16 for exact delayed scales: the margin floor fmax / FLT_MAX decodes fmt.max to FLT_MAX,
+            # past bf16's largest value; the fp32 values are checked below)
+            if dtype == torch.float32 or pow2 or isinstance(qz, CurrentScaling):
+                assert torch.isfinite(q.dequantize()).all(), (x.tolist(), type(qz).__name__)
+            deq, inv = q.dequantize(torch.float32), q.scale_inv
+            assert torch.isfinite(deq).all(), (x.tolist(), type(qz).__name__)
+            scale = qz.scale if isinstance(qz, DelayedScaling) else scale_from_amax(amax(x), fmt, pow2_scales=pow2)
+            saturated = (x.float() * scale).abs() > spec.max  # the fp32 product the cast clamps
+            assert torch.equal(deq[saturated], x[saturated].float().sign() * (spec.max * inv))
+            xd = x.double()  # half an ulp of the format, and a few fp32 roundings (x * scale, code * scale_inv)
+            bound = (2.0 ** -(spec.man_bits + 1) + 2.0**-22) * xd.abs() + spec.min_subnormal / 2 * inv.double()
+            err = (deq.double() - xd).abs()
+            assert torch.all(err[~saturated] <= bound[~saturated]), (x.tolist(), deq.tolist())
+            if isinstance(qz, CurrentScaling):
+                assert pow2 or not saturated.any(), "exact current scales never saturate"
+
+
 @pytest.mark.parametrize("make", [CurrentScaling, DelayedScaling])
 def test_quantize_into_a_partial_view_is_refused_and_leaves_the_tensor(make):
     """A partial view shares the one scale with rows it cannot see: rescaling it alone would change their

@@ -15,7 +15,9 @@ weights use 128x128 tiles (so the same scale serves a weight and its transpose):
 
 ``scale_inv = amax / 448`` makes the block's largest magnitude land on E4M3's largest
 value; with ``pow2_scales=True`` it is rounded *up* to a power of two (no saturation, and
-multiplying by it is exact, at up to one binade less resolution).
+multiplying by it is exact, at up to one binade less resolution) -- capped at 2**119, the largest power
+of two with ``448 * scale_inv`` finite: magnitudes above 448 * 2**119 = 1.75 * 2**127 (~2.98e38, within
+13% of fp32's largest) saturate to it, where 2**120 would decode codes of 256 and up to inf.
 
 On CUDA, both block shapes go through one-pass Triton kernels, ``tutorial_kernels.blockwise_quant``
 (one launch instead of ~20 torch operations; bit-identical to the torch code below, which stays the
@@ -61,6 +63,7 @@ from tutorial_lib.quant.block import (
 from tutorial_lib.quant.tensor import add_safe_global
 
 BLOCKWISE_BLOCKS = ((1, 128), (128, 128))
+_POW2_MAX_EXP = 119  # largest exponent of a pow2 scale_inv: 448 * 2**119 = 1.75 * 2**127 is finite, 448 * 2**120 not
 _BACKENDS = ("auto", "torch", "triton")
 
 
@@ -90,8 +93,8 @@ def blockwise_scale_inv(amax: torch.Tensor, pow2_scales: bool = False) -> torch.
     # tensor / tensor: one IEEE division on every device (torch's CUDA ``tensor / python_scalar``
     # multiplies by the fp32 reciprocal instead, 1 ulp off for some amaxes: GPU and CPU scales differ)
     s = amax / torch.full_like(amax, E4M3_MAX)
-    if pow2_scales:
-        s = exp2_int(ceil_log2(s).clamp(-127, 127))
+    if pow2_scales:  # at most 2**119: 448 * scale_inv stays a finite fp32
+        s = exp2_int(ceil_log2(s).clamp(-127, _POW2_MAX_EXP))
     s = torch.where(amax == 0, torch.ones_like(s), s)
     # A tiny nonzero amax whose quotient underflows to 0 would divide by zero; use the
     # smallest positive power of two instead (the block then rounds to ~0, as it should).

@@ -12,7 +12,9 @@ The scale of a block (OCP MX v1.0, section 6.3): ``X = 2**(floor(log2(amax)) - e
 ``emax = 8`` for E4M3 (its largest value is 1.75 * 2**8 = 448). Then ``amax / X`` lies in
 [256, 512), so the few values above 448 saturate to 448 ("floor" rounding). NVIDIA's
 hardware also offers "rceil": the smallest power of two with ``amax / X <= 448`` (no
-saturation, one binade less resolution for some blocks). Both are here.
+saturation, one binade less resolution for some blocks). Both are here. Both cap the exponent at
+119, the largest with ``448 * X`` finite in fp32: an rceil block whose amax exceeds 448 * 2**119 =
+1.75 * 2**127 (~2.98e38) saturates to it, as under floor, instead of decoding 256 * 2**120 to inf.
 
 Bad and special input (documented results):
   * last dim not a multiple of 32 -> ValueError naming the 32-element MX block;
@@ -55,10 +57,12 @@ __all__ = ["MX_BLOCK", "SCALE_ROUNDINGS", "MXFP8Quantizer", "MXFP8Tensor", "dequ
 E4M3_EMAX = 8  # floor(log2(448))
 E8M0_BIAS = 127
 E4M3_MAX_MANTISSA_BITS = 0x600000  # 448 = 1.75 * 2**8: fp32 mantissa bits of 1.75
+MX_MAX_EXP = 127 - E4M3_EMAX  # 119: 448 * 2**119 = 1.75 * 2**127 is a finite fp32, 448 * 2**120 is not
 
 
 def mx_scale_exponent(amax: torch.Tensor, rounding: str = "floor") -> torch.Tensor:
-    """Unbiased scale exponent (int32, clamped to E8M0's [-127, 127]) for fp32 block amaxes.
+    """Unbiased scale exponent (int32, clamped to [-127, 119]: E8M0's range, capped where 448 * 2**e is finite)
+    for fp32 block amaxes.
 
     floor: floor(log2(amax)) - 8   (OCP MX v1.0; amax/X in [256, 512), values > 448 saturate)
     rceil: ceil(log2(amax / 448))  (NVIDIA; amax/X <= 448, nothing saturates), computed exactly
@@ -69,7 +73,7 @@ def mx_scale_exponent(amax: torch.Tensor, rounding: str = "floor") -> torch.Tens
         e = e + ((amax.view(torch.int32) & 0x7FFFFF) > E4M3_MAX_MANTISSA_BITS).to(torch.int32)
     elif rounding != "floor":
         raise ValueError(f"rounding must be one of {SCALE_ROUNDINGS}, got {rounding!r}")
-    return e.clamp(-E8M0_BIAS, E8M0_BIAS)
+    return e.clamp(-E8M0_BIAS, MX_MAX_EXP)
 
 
 def _quantize_rowwise(x: torch.Tensor, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,8 @@ Documented results for special input (all tested):
   ``scale = NaN`` so *every* element and ``scale_inv`` are NaN. A finite scale would hide the
   overflow (inf saturates to +-max). Delayed scaling casts with its (finite) scale -- inf
   saturates, NaN stays NaN -- records the non-finite amax, and keeps its previous scale.
+* finite input near the largest fp32 decodes finite: with ``pow2_scales``, magnitudes above 1.75 * 2**127
+  saturate to 1.75 * 2**127 (the power-of-two scale is floored where ``max * scale_inv`` stays finite).
 * the cast saturates ("satfinite"): ``|x * scale| > max`` and +-inf give +-max; NaN stays NaN.
   The sign of a NaN that went through ``x * scale`` is platform-dependent (x86 keeps it, CUDA
   arithmetic returns a canonical positive NaN); both are NaN codes.
@@ -40,6 +42,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -89,9 +92,13 @@ def scale_from_amax(amax: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool 
     A ``margin`` never takes the scale below the one of ``amax`` = the largest fp32 without margin (a
     huge amax with a large margin would otherwise underflow to a subnormal or 0, and ``1 / scale`` to
     inf): such an amax gets the scale current scaling would give it, with less headroom than asked.
-    ``pow2_scales`` rounds the scale *down* to a power of two (so ``amax * scale <= max`` still holds
-    and ``scale_inv`` is exact); taken from the exponent bits, not from ``log2``, which can
-    round up near a power of two."""
+    ``pow2_scales`` rounds the scale *down* to a power of two (so ``amax * scale <= max`` still holds,
+    up to the floor below, and ``scale_inv`` is exact); taken from the exponent bits, not from ``log2``, which can
+    round up near a power of two. It never goes below the smallest power of two whose ``max * scale_inv``
+    is a finite fp32 (E4M3: 2**-119, E5M2: 2**-112; margin or not): amaxes above ``max / that scale``
+    (1.75 * 2**127 ~ 2.98e38) saturate to ``max * scale_inv`` = 1.75 * 2**127, the largest value this scale
+    can represent, where a scale one binade lower would decode the largest codes to inf. (The exact scale of
+    the largest fp32 decodes ``max`` to that value, finite.)"""
     fmax = get_format(fmt).max
     a = amax.float()
     # tensor / tensor: one IEEE division. (`fmax / tensor` would be reciprocal() * fmax in torch,
@@ -100,9 +107,17 @@ def scale_from_amax(amax: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool 
     if margin:
         floor = torch.full_like(a, fmax) / torch.full_like(a, _FP32_MAX)  # a normal fp32 for both formats
         scale = torch.maximum(scale * 2.0 ** (-int(margin)), floor)  # exact power-of-two step; keeps NaN
-    if pow2_scales:
-        scale = (scale.view(torch.int32) & _EXP_MASK).view(torch.float32)
+    if pow2_scales:  # integer max on the bits of positive floats = float max (a NaN scale's bits: inf, then NaN below)
+        bits = torch.clamp_min(scale.view(torch.int32) & _EXP_MASK, _pow2_floor_bits(fmax))
+        scale = bits.view(torch.float32)
     return torch.where(a < float("inf"), scale, torch.full_like(scale, float("nan")))
+
+
+def _pow2_floor_bits(fmax: float) -> int:
+    """fp32 bits of the smallest power of two ``s`` with ``fmax / s <=`` the largest fp32 (E4M3: 2**-119, E5M2:
+    2**-112; normal fp32): a smaller power-of-two scale would decode the format's largest codes to inf."""
+    m, e = math.frexp(fmax / _FP32_MAX)  # = m * 2**e, m in [0.5, 1): the power-of-two ceiling is 2**e (m > 0.5)
+    return (e - (m == 0.5) + 127) << 23
 
 
 def quantize_per_tensor(x: torch.Tensor, scale, fmt: str = "e4m3") -> torch.Tensor:
