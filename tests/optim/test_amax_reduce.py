@@ -53,3 +53,14 @@ def test_has_grad_writes_only_updated_pairs_without_a_group_and_checks_its_lengt
     assert all(torch.equal(v, expected.raw_buffers()[k]) for k, v in written.raw_buffers().items())
     with pytest.raises(ValueError, match="has_grad has 1 entries for 2 pairs"):
         requantize([(kept, master), (written, master)], has_grad=[True])
+
+
+def test_has_grad_refuses_a_dropped_group_whether_or_not_the_pair_was_updated():
+    """A quantizer whose group was dropped by pickling is refused on every rank -- also where this rank holds no
+    grad for it, or that rank would go on alone into the next collective."""
+    import pickle
+
+    local = pickle.loads(pickle.dumps(CurrentScaling("e4m3").quantize(torch.randn(4, 64))))
+    local.quantizer.group_dropped = True  # as a quantizer that held a process group comes back from a pickle
+    with pytest.raises(RuntimeError, match="dropped when it"):
+        requantize([(local, torch.randn(4, 64))], has_grad=[False])

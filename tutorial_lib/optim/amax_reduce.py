@@ -127,6 +127,9 @@ def _requantize_updated(pairs: list, batched: bool, has_grad: list[bool]) -> int
     current: dict[int, list[int]] = {}  # process group -> pair indices: amax + presence, one collective
     other: dict[int, list[int]] = {}  # grouped, another format (NVFP4): presence first, then copy_
     for k, (local, master) in enumerate(pairs):
+        q = getattr(local, "quantizer", None)
+        if hasattr(q, "amax_group"):
+            q.amax_group()  # a group dropped by pickling raises HERE, on every rank, grad or not
         if batchable(local):
             current.setdefault(id(local.quantizer.group) if batched else -1 - k, []).append(k)
         elif grouped(local):
