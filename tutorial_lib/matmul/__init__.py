@@ -7,6 +7,7 @@
 ``emulation``       the FP8 GEMMs computed in fp32 (exact products, fp32 sums): the CPU path
 ``scaled_mm``       torch's ``scaled_mm`` with the repository's quantized buffers
 ``fp8_linear``      ``nn.Linear`` computed with FP8 GEMMs
+``fp8_recipe``      the FP8 linear's recipe and token rules (``pad_tokens``: exact zero padding)
 ==================  ==========================================================================
 
 The Triton kernel itself is ``tutorial_kernels.fp8_gemm.blockwise_fp8_gemm`` (kernels are a leaf:

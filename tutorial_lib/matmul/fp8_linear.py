@@ -27,7 +27,7 @@ Recipes (:class:`Fp8Recipe`):
   W (the tensors of :mod:`tutorial_lib.quant.blockwise`). wgrad contracts over the TOKENS, so it
   needs dy and x with blocks along M, i.e. 128x1 blocks: we quantize ``dy.T`` and ``x.T`` with
   1x128 blocks (from high precision, not by requantizing FP8 codes) and run a 1x128 x 1x128 GEMM;
-  this needs M % 128 == 0. x and x.T (and dy and dy.T) come from one call
+  this needs M % 128 == 0 (or ``pad_tokens=True``, below). x and x.T (and dy and dy.T) come from one call
   (``quantize_fp8_1x128_with_transpose``: on CUDA the 1x128 kernel on t, then on the view t.t()). dgrad
   uses W.T's tiles (the transposed 128x128 codes and scales, exact).
 
@@ -46,6 +46,12 @@ before backward) or its FP8 copy, and x as FP8 codes + scale (``save_fp8_input=T
 per element instead of 2 (bf16) or 4) -- for blockwise, x.T's codes, which wgrad reads -- or the
 high-precision x itself (``save_fp8_input=False``), requantized in backward. Current scaling is
 deterministic, so both give the same codes and bit-identical gradients.
+
+Tokens (:mod:`~tutorial_lib.matmul.fp8_recipe`). wgrad needs M % 16 (hybrid) / % 128 (blockwise), the
+blockwise fprop and dgrad M % 4: a batch that breaks wgrad's rule is refused in forward, unless
+``Fp8Recipe(pad_tokens=True)``, which zero-pads the wgrad operands x and dy along the tokens -- exact: zeros
+add nothing to dW and change no scale -- and runs fprop and dgrad on the first M rows of the same codes (M
+rounded up to 4, outputs sliced, for blockwise), at the cost of a padded copy of x and of dy.
 
 Host work. A layer runs on every step, so its Python is lean: operands travel as raw codes + scales
 (no wrapper tensor per GEMM operand), the fprop GEMM -- whose operands come from the caller -- is
@@ -70,7 +76,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 import torch.autograd.profiler as autograd_profiler
@@ -79,8 +84,8 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from tutorial_kernels.transpose import transpose
 
+from tutorial_lib.matmul.fp8_recipe import RECIPES, Fp8Recipe, as_recipe, pad_rows, token_rows
 from tutorial_lib.matmul.scaled_mm import (
-    BACKENDS,
     FP8LayoutError,
     blockwise_mm_codes,
     check_blockwise_codes,
@@ -98,7 +103,6 @@ from tutorial_lib.quant.tensor import is_quantized
 __all__ = ["PROFILE_LABELS", "RECIPES", "Fp8Linear", "Fp8Recipe", "ScaleGuess", "as_recipe", "fp8_linear",
            "swap_linears"]
 
-RECIPES = ("hybrid", "blockwise")
 PROFILE_LABELS = ("fp8_linear.quantize", "fp8_linear.transpose", "fp8_linear.fprop", "fp8_linear.dgrad",
                   "fp8_linear.wgrad")
 """``torch.profiler`` ranges around each phase: casts to FP8, transposed copies of codes, the three GEMMs."""
@@ -114,35 +118,10 @@ def _phase(name: str):
     return _NO_RANGE
 
 
-@dataclasses.dataclass(frozen=True)
-class Fp8Recipe:
-    """How an :class:`Fp8Linear` quantizes its operands and which GEMMs it runs."""
-
-    kind: str = "hybrid"  # "hybrid": per-tensor E4M3 x/W, E5M2 grads | "blockwise": E4M3, 1x128 / 128x128 scales
-    save_fp8_input: bool = True  # save x as FP8 codes + scale (1 B/element) for wgrad, not x itself
-    use_fast_accum: bool = False  # fprop GEMM in the tensor cores' fast accumulation (dgrad/wgrad never)
-    pow2_scales: bool = False  # power-of-two scales (hybrid: rounded down; blockwise: rounded up)
-    backend: str = "auto"  # scaled_mm backend: "auto", "torch", "triton" (blockwise), "emulated"
-
-    def __post_init__(self):
-        if self.kind not in RECIPES:
-            raise ValueError(f"Fp8Recipe kind must be one of {RECIPES}, got {self.kind!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"Fp8Recipe backend must be one of {BACKENDS}, got {self.backend!r}")
-        if self.kind == "blockwise" and self.use_fast_accum:
-            raise ValueError("the blockwise recipe has no fast accumulation (block scales promote every 128-wide "
-                             "partial sum to fp32); use_fast_accum applies to the hybrid recipe")
-
-
-def as_recipe(recipe: Fp8Recipe | str) -> Fp8Recipe:
-    """``"hybrid"`` / ``"blockwise"`` -> the default :class:`Fp8Recipe` of that kind; a recipe passes through."""
-    return recipe if isinstance(recipe, Fp8Recipe) else Fp8Recipe(kind=recipe)
-
-
 # ----------------------------------------------------------------------------- operand helpers
 # Operands travel as raw (codes, scale_inv) pairs: no wrapper tensor per GEMM operand. The fprop GEMM, whose
 # operands come from the caller (x's shape, the weight), is checked once per forward; dgrad's and wgrad's
-# operands are made here from those checked ones (and the token rule of _check_wgrad_tokens), so they are not
+# operands are made here from those checked ones (and the token rules of fp8_recipe.token_rows), so they are not
 # re-validated.
 
 _CASTS = {(fmt, pow2): CurrentScaling(fmt, pow2_scales=pow2) for fmt in ("e4m3", "e5m2") for pow2 in (False, True)}
@@ -209,7 +188,7 @@ def _quantize_1x128(t: torch.Tensor, recipe: Fp8Recipe) -> tuple[torch.Tensor, t
 
 def _quantize_1x128_pair(t: torch.Tensor, recipe: Fp8Recipe):
     """``(_quantize_1x128(t), _quantize_1x128(t.t()))`` (both dims are multiples of 128 wherever this is
-    called: features by the recipe, tokens by the wgrad rule)."""
+    called: features by the recipe, tokens by the wgrad rule or its padding)."""
     return quantize_fp8_1x128_with_transpose(t, pow2_scales=recipe.pow2_scales)
 
 
@@ -222,24 +201,18 @@ def _epilogue_bias(bias, x_dtype: torch.dtype, n: int):
     return None
 
 
+def _first_rows(codes, rows: int):
+    """The first ``rows`` rows of codes or of ``(codes, 1x128 scales)`` (row views), what fprop / dgrad read of
+    a wgrad operand cast at its padded size; the operand itself when it has ``rows`` rows."""
+    if isinstance(codes, tuple):
+        return codes if codes[0].shape[0] == rows else (codes[0][:rows], codes[1][:rows])
+    return codes if codes.shape[0] == rows else codes[:rows]
+
+
 def _require_high_precision(t: torch.Tensor) -> None:
     """Refuse a 1-byte float ``t`` before quantizing it, as a quantized tensor's nominal dtype is refused."""
     if t.dtype.itemsize < 2:
         raise TypeError(f"nominal dtype must be a high-precision float dtype (fp32/bf16/fp16), got {t.dtype}")
-
-
-_WGRAD_TOKEN_MULTIPLE = {"hybrid": 16, "blockwise": 128}
-
-
-def _check_wgrad_tokens(m: int, recipe: Fp8Recipe) -> None:
-    """wgrad contracts over the tokens (rows of x): they are its K, so they obey K's rule -- checked in forward."""
-    need = _WGRAD_TOKEN_MULTIPLE[recipe.kind]
-    if m % need:
-        why = ("K and N multiples of 16" if recipe.kind == "hybrid" else
-               "1x128 blocks of dy.T and x.T run along the tokens")
-        raise FP8LayoutError(f"FP8 GEMM rule '{why}' broken by the weight-gradient GEMM dW = dy.T @ x, which "
-                             f"contracts over the {m} tokens (rows of x). Fix: pad the batch to a multiple of "
-                             f"{need} rows" + (", or use the 'hybrid' recipe" if recipe.kind == "blockwise" else ""))
 
 
 class ScaleGuess:
@@ -282,8 +255,9 @@ class _Fp8LinearFn(torch.autograd.Function):
         x2 = _rows_of(x, "x")
         # needs_input_grad follows requires_grad even under no_grad: what backward will need is both
         want_x, want_w = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
-        if want_w:
-            _check_wgrad_tokens(x2.shape[0], recipe)  # fail in forward, not half-way through backward
+        m = x2.shape[0]  # tokens; fprop/dgrad run on m_f rows, wgrad on m_w (more only with pad_tokens)
+        m_f, m_w = token_rows(m, recipe, want_w)  # a broken wgrad rule fails in forward, not half-way into backward
+        ctx.rows = (m, m_f, m_w)
         ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.has_bias = recipe, x.shape, x.dtype, bias is not None
         ctx.guess = guess
         ctx.w_dtype = weight.dtype
@@ -291,15 +265,16 @@ class _Fp8LinearFn(torch.autograd.Function):
         epi_bias = _epilogue_bias(bias, x.dtype, weight.shape[0])
         if recipe.kind == "hybrid":
             with _phase("quantize"):
-                if want_w and recipe.save_fp8_input:  # x's codes for fprop and x.T's, saved for wgrad
-                    xq, x_t = _cast(x2, "e4m3", recipe, guess, "x", transposed=True)
+                if want_w and recipe.save_fp8_input:  # x's codes for fprop and x.T's (m_w tokens), saved for wgrad
+                    xq, x_t = _cast(pad_rows(x2, m_w), "e4m3", recipe, guess, "x", transposed=True)
                 else:
                     xq = _cast(x2, "e4m3", recipe, guess, "x")
                 w_data, w_scale = _hybrid_weight(weight, recipe)
             with _phase("fprop"):
                 w_col = w_data.t()  # W [N, K] row-major IS the column-major B = W.T
-                check_fp8_gemm(xq.data, w_col, "e4m3", "e4m3", x.dtype)
-                y = fp8_mm_codes(xq.data, "e4m3", xq.scale_inv, w_col, "e4m3", w_scale, out_dtype=x.dtype,
+                x_data = _first_rows(xq.data, m)
+                check_fp8_gemm(x_data, w_col, "e4m3", "e4m3", x.dtype)
+                y = fp8_mm_codes(x_data, "e4m3", xq.scale_inv, w_col, "e4m3", w_scale, out_dtype=x.dtype,
                                  use_fast_accum=recipe.use_fast_accum, backend=recipe.backend, bias=epi_bias)
             if want_w and recipe.save_fp8_input:
                 x_codes = (x_t, xq.scale_inv)
@@ -307,20 +282,22 @@ class _Fp8LinearFn(torch.autograd.Function):
             with _phase("quantize"):
                 _require_high_precision(x2)
                 if want_w and recipe.save_fp8_input:  # x for fprop AND x.T in 1x128 blocks (x in 128x1) for wgrad
-                    xq, x_codes = _quantize_1x128_pair(x2, recipe)
+                    xq, x_codes = _quantize_1x128_pair(pad_rows(x2, m_w), recipe)
+                    xq = _first_rows(xq, m_f)
                 else:
-                    xq = _quantize_1x128(x2, recipe)
+                    xq = _quantize_1x128(pad_rows(x2, m_f), recipe)
                 w_data, w_scale = _blockwise_weight(weight, recipe)
             with _phase("fprop"):
                 check_blockwise_codes(*xq, w_data, w_scale, x.dtype, recipe.use_fast_accum)
                 y = blockwise_mm_codes(*xq, w_data, w_scale, w_block=(128, 128), out_dtype=x.dtype,
                                        use_fast_accum=recipe.use_fast_accum, backend=recipe.backend, bias=epi_bias)
+                y = _first_rows(y, m)
         if bias is not None and epi_bias is None:
             y = y + bias  # a bias of another dtype than x: torch's promotion, as F.linear's add would do
         # Saved for backward. dgrad needs the weight: the parameter itself when it is FP8 (FSDP2 refills its
         # bytes in place before backward), else the codes cast above. wgrad needs x: x.T's FP8 codes + scale
-        # (1 byte/element; both recipes keep the transposed operand wgrad reads) or x itself (requantized in
-        # backward, to the same codes).
+        # (1 byte/element; both recipes keep the transposed operand wgrad reads; m_w tokens) or x itself
+        # (requantized in backward, to the same codes; padded there).
         fp8_weight = is_quantized(weight)
         w_param = weight if (want_x and fp8_weight) else None
         w_codes = (w_data, w_scale) if (want_x and not fp8_weight) else (None, None)
@@ -354,9 +331,10 @@ def _hybrid_backward(ctx, g2, w, x):
     """dgrad (if ``w``: the weight's codes + scale) and wgrad (if ``x``: x.T's codes + scale, or x itself)."""
     recipe = ctx.recipe
     g_t = None
+    m, _, m_w = ctx.rows
     with _phase("quantize"):  # dy in E5M2, once for both GEMMs; with wgrad, dy.T's codes from the same kernels
-        if x is not None:
-            gq, g_t = _cast(g2, "e5m2", recipe, ctx.guess, "dy", transposed=True)
+        if x is not None:  # dy zero-padded to m_w tokens when they are more (pad_tokens): dgrad reads its first m
+            gq, g_t = _cast(pad_rows(g2, m_w), "e5m2", recipe, ctx.guess, "dy", transposed=True)
         else:
             gq = _cast(g2, "e5m2", recipe, ctx.guess, "dy")
     dx = dw = None
@@ -365,14 +343,14 @@ def _hybrid_backward(ctx, g2, w, x):
         with _phase("transpose"):
             w_t = _transposed(w_data)
         with _phase("dgrad"):
-            dx = fp8_mm_codes(gq.data, "e5m2", gq.scale_inv, w_t.t(), "e4m3", w_scale, out_dtype=ctx.x_dtype,
-                              backend=recipe.backend)
+            dx = fp8_mm_codes(_first_rows(gq.data, m), "e5m2", gq.scale_inv, w_t.t(), "e4m3", w_scale,
+                              out_dtype=ctx.x_dtype, backend=recipe.backend)
     if x is not None:  # wgrad: dW = dy.T @ x. A = dy.T row-major; B = x column-major = (x.T row-major).t()
         if isinstance(x, tuple):
             x_t, x_scale = x
         else:
             with _phase("quantize"):  # the same codes the forward made, and x.T's
-                xq, x_t = _CASTS["e4m3", recipe.pow2_scales].cast_with_transpose(x)
+                xq, x_t = _CASTS["e4m3", recipe.pow2_scales].cast_with_transpose(pad_rows(x, m_w))
             x_scale = xq.scale_inv
         with _phase("wgrad"):
             dw = fp8_mm_codes(g_t, "e5m2", gq.scale_inv, x_t.t(), "e4m3", x_scale, out_dtype=ctx.w_dtype,
@@ -383,23 +361,26 @@ def _hybrid_backward(ctx, g2, w, x):
 def _blockwise_backward(ctx, g2, w, x):
     """dgrad (dy in 1x128 blocks x W.T's tiles) and wgrad (dy.T and x.T in 1x128 blocks, along the tokens)."""
     recipe = ctx.recipe
+    m, m_f, m_w = ctx.rows
     dx = dw = None
     with _phase("quantize"):  # dy in 1x128 blocks (dgrad) and dy.T in 1x128 blocks (wgrad): one call when both
-        if w is not None and x is not None:
-            gq, g_t = _quantize_1x128_pair(g2, recipe)
+        if w is not None and x is not None:  # dy zero-padded to m_w tokens: dgrad reads its first m_f rows
+            gq, g_t = _quantize_1x128_pair(pad_rows(g2, m_w), recipe)
+            gq = _first_rows(gq, m_f)
         elif w is not None:
-            gq = _quantize_1x128(g2, recipe)
+            gq = _quantize_1x128(pad_rows(g2, m_f), recipe)
         else:
-            g_t = _quantize_1x128(g2.t(), recipe)
+            g_t = _quantize_1x128(pad_rows(g2, m_w).t(), recipe)
     if w is not None:  # dgrad: dx [M, K] = dy [M, N] @ W [N, K] = dy @ (W.T [K, N]).T; W.T's tiles are W's, transposed
         w_data, w_scale = w
         with _phase("transpose"):
             w_t = (_transposed(w_data), w_scale.t().contiguous())
         with _phase("dgrad"):
-            dx = blockwise_mm_codes(*gq, *w_t, w_block=(128, 128), out_dtype=ctx.x_dtype, backend=recipe.backend)
+            dx = _first_rows(blockwise_mm_codes(*gq, *w_t, w_block=(128, 128), out_dtype=ctx.x_dtype,
+                                                backend=recipe.backend), m)
     if x is not None:  # wgrad: dW [N, K] = dy.T [N, M] @ x [M, K] = dy.T @ (x.T [K, M]).T, 1x128 blocks along M
         with _phase("quantize"):
-            x_t = x if isinstance(x, tuple) else _quantize_1x128(x.t(), recipe)
+            x_t = x if isinstance(x, tuple) else _quantize_1x128(pad_rows(x, m_w).t(), recipe)
         with _phase("wgrad"):
             dw = blockwise_mm_codes(*g_t, *x_t, w_block=(1, 128), out_dtype=ctx.w_dtype, backend=recipe.backend)
     return dx, dw
@@ -418,8 +399,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     (:mod:`~tutorial_lib.matmul.scaled_mm`): in/out features multiples of 16 (128 for blockwise); the
     token count (rows of x) free (hybrid) or a multiple of 4 (blockwise), and when the weight needs a
     gradient a multiple of 16 (hybrid) / 128 (blockwise), since wgrad contracts over it -- checked in
-    forward, with an :class:`~tutorial_lib.matmul.scaled_mm.FP8LayoutError` naming the rule. There is no
-    second derivative: a backward with ``create_graph=True`` through it raises.
+    forward, with an :class:`~tutorial_lib.matmul.scaled_mm.FP8LayoutError` naming the rule. With
+    ``Fp8Recipe(pad_tokens=True)`` any token count: the wgrad operands x and dy are zero-padded along the
+    tokens (a padded copy of each; exact, see :mod:`~tutorial_lib.matmul.fp8_recipe`), y and dx keep x's rows.
+    There is no second derivative: a backward with ``create_graph=True`` through it raises.
     """
     recipe = as_recipe(recipe)
     _check_weight(weight, recipe)
