@@ -453,6 +453,27 @@ def test_a_bias_only_gradient_runs_no_gemm_and_needs_no_token_multiple(kind):
     assert torch.equal(layer.bias.grad, g.sum(0)) and layer.weight.grad is None
 
 
+@pytest.mark.parametrize("kind,shape,pad", [("hybrid", (2, 16), False), ("blockwise", (2, 64), False),
+                                            ("blockwise", (17,), True)])
+def test_the_output_can_be_modified_in_place_like_f_linears(kind, shape, pad):
+    """``nn.ReLU(inplace=True)`` after the layer: a 3-D x's output (and the padded recipe's sliced rows) are views
+    made outside the autograd Function, which autograd lets a caller modify in place; the gradients are those of
+    the out-of-place ReLU, bit for bit."""
+    k, n = SHAPES[kind][2], SHAPES[kind][3]
+    recipe = Fp8Recipe(kind=kind, pad_tokens=pad)
+    gen = torch.Generator().manual_seed(5)
+    x, w, b = (torch.randn(*shape, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen))
+    g = torch.randn(*shape, n, generator=gen)
+    grads = []
+    for inplace in (False, True):
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        y = fp8_linear(xs, ws, bs, recipe)
+        y = y.relu_() if inplace else torch.relu(y)
+        y.backward(g)
+        grads.append((y.detach(), xs.grad, ws.grad, bs.grad))
+    assert all(torch.equal(a, c) for a, c in zip(*grads))
+
+
 def test_a_second_derivative_through_fp8_linear_is_refused_not_zero():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator(device=dev).manual_seed(0)

@@ -131,7 +131,7 @@ class _CountOps(TorchDispatchMode):
 @pytest.mark.parametrize("kind", ["hybrid", "blockwise"])
 def test_pad_tokens_copies_nothing_when_the_tokens_fit(kind):
     """At a token count that fits, ``pad_tokens=True`` dispatches exactly the torch ops of the default recipe (no
-    pad, no slice) and gives the same bits; one token fewer pads x in forward and dy in backward."""
+    pad, no slice) and gives the same bits; one token fewer pads x in forward (and dy in backward, hybrid)."""
     k, n = FEATURES[kind]
     gen = torch.Generator().manual_seed(5)
     w, b = torch.randn(n, k, generator=gen) * k**-0.5, torch.randn(n, generator=gen)
@@ -145,7 +145,10 @@ def test_pad_tokens_copies_nothing_when_the_tokens_fit(kind):
             results.append(_run(recipe, x[:rows], w, b, g[:rows]))
         counts.append(counted.ops)
     assert counts[1] == counts[0] and all(torch.equal(p, q) for p, q in zip(results[1], results[0]))
-    assert counts[0]["aten.constant_pad_nd.default"] == 0 and counts[2]["aten.constant_pad_nd.default"] == 2
+    # one token fewer: x padded in forward; dy padded in backward for hybrid -- blockwise fprop already ran on the
+    # rows rounded up to 4 (here the full 128), so its dy arrives with them, zeros from the slice's backward
+    assert counts[0]["aten.constant_pad_nd.default"] == 0
+    assert counts[2]["aten.constant_pad_nd.default"] == (2 if kind == "hybrid" else 1)
 
 
 @pytest.mark.distributed

@@ -76,6 +76,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.autograd.profiler as autograd_profiler
@@ -291,7 +292,6 @@ class _Fp8LinearFn(torch.autograd.Function):
                 check_blockwise_codes(*xq, w_data, w_scale, x.dtype, recipe.use_fast_accum)
                 y = blockwise_mm_codes(*xq, w_data, w_scale, w_block=(128, 128), out_dtype=x.dtype,
                                        use_fast_accum=recipe.use_fast_accum, backend=recipe.backend, bias=epi_bias)
-                y = _first_rows(y, m)
         if bias is not None and epi_bias is None:
             y = y + bias  # a bias of another dtype than x: torch's promotion, as F.linear's add would do
         # Saved for backward. dgrad needs the weight: the parameter itself when it is FP8 (FSDP2 refills its
@@ -303,7 +303,9 @@ class _Fp8LinearFn(torch.autograd.Function):
         w_codes = (w_data, w_scale) if (want_x and not fp8_weight) else (None, None)
         x_hp = x if (want_w and not recipe.save_fp8_input) else None
         ctx.save_for_backward(w_param, *w_codes, x_hp, *x_codes)
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+        # [m_f, N]: the caller (fp8_linear) cuts the padded rows and restores x's leading dims -- views made
+        # OUTSIDE the Function, which autograd lets a caller modify in place (y.relu_(), ReLU(inplace=True))
+        return y
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -321,7 +323,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         x = None if not want_w else (x_t_data, x_scale) if x_t_data is not None else _rows_of(x_hp, "x")
         backward = _hybrid_backward if ctx.recipe.kind == "hybrid" else _blockwise_backward
         dx, dw = backward(ctx, g2, w, x) if (w is not None or x is not None) else (None, None)  # bias alone: no GEMM
-        db = g2.sum(0) if (ctx.has_bias and want_b) else None
+        db = g2[:ctx.rows[0]].sum(0) if (ctx.has_bias and want_b) else None  # the real rows (padded ones are 0)
         if dx is not None and len(ctx.x_shape) != 2:
             dx = dx.reshape(ctx.x_shape)
         return dx, dw, db, None, None, None
@@ -408,7 +410,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     _check_weight(weight, recipe)
     if is_quantized(x):
         raise TypeError("fp8_linear quantizes x itself: pass the high-precision activation")
-    return _Fp8LinearFn.apply(x, weight, bias, recipe, torch.is_grad_enabled(), guess)
+    y = _Fp8LinearFn.apply(x, weight, bias, recipe, torch.is_grad_enabled(), guess)  # [rows, N], maybe padded
+    m = math.prod(x.shape[:-1])  # the token rows of x
+    if y.shape[0] != m:
+        y = y[:m]
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class Fp8Linear(nn.Linear):
