@@ -87,25 +87,12 @@ def test_several_row_and_column_tiles():
         assert _same(got, dequantize_nvfp4(data, scale, gsi, block, dtype=torch.bfloat16))
 
 
-class _LaunchRecorder:
-    """Stands in for the kernel: records the grid of each launch and runs nothing (65,536 programs are
-    minutes in the interpreter; the tiling itself is checked against the reference above)."""
-
-    def __init__(self):
-        self.grids = []
-
-    def __getitem__(self, grid):
-        self.grids.append(tuple(grid))
-        return lambda *args, **kwargs: None
-
-
 @pytest.mark.parametrize("shape", [(2048 * 2048 // 2,), (1, 65_536 * 32 + 8), (2, 65_536 * 32 + 8)])
-def test_long_rows_launch_within_cuda_grid_limits(monkeypatch, shape):
+def test_long_rows_launch_within_cuda_grid_limits(launch_recorder, shape):
     """One program per ROWS rows x 32 bytes, and the program count on grid axis 0: a flattened 2048x2048
     weight (1x16 blocks, one row of 2 MiB codes) is 65,536 column tiles, past the 65,535 CUDA allows on
     axis 1 (the launch would fail on a GPU, never in the interpreter)."""
-    recorder = _LaunchRecorder()
-    monkeypatch.setattr(dequantize_module, "_nvfp4_dequantize_kernel", recorder)
+    recorder = launch_recorder(dequantize_module, "_nvfp4_dequantize_kernel")
     data = torch.empty(shape, dtype=torch.uint8, device=DEV)
     scale = torch.empty((*shape[:-1], shape[-1] // 8), dtype=torch.uint8, device=DEV)
     assert nvfp4_dequantize(data, scale, torch.ones((), device=DEV)).shape == (*shape[:-1], 2 * shape[-1])

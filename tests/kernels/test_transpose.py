@@ -34,24 +34,11 @@ def test_transpose_errors():
         transpose(torch.zeros(4, 6, dtype=torch.complex64, device=DEV))
 
 
-class _LaunchRecorder:
-    """Stands in for the kernel: records the grid of each launch and runs nothing (65,536+ programs are
-    minutes in the interpreter; the tiling itself is checked bit for bit above)."""
-
-    def __init__(self):
-        self.grids = []
-
-    def __getitem__(self, grid):
-        self.grids.append(tuple(grid))
-        return lambda *args, **kwargs: None
-
-
 @pytest.mark.parametrize("shape", [(1, 65_536 * 128 + 1), (65_536 * 128 + 1, 1), (3, 65_536 * 128 + 128)])
-def test_wide_and_tall_inputs_launch_within_cuda_grid_limits(monkeypatch, shape):
+def test_wide_and_tall_inputs_launch_within_cuda_grid_limits(launch_recorder, shape):
     """One program per 128x128 tile, and the tile count on grid axis 0: a (1, 8.4M) tensor has 65,537 column
     tiles, past the 65,535 CUDA allows on axis 1 (the launch would fail on a GPU, never in the interpreter)."""
-    recorder = _LaunchRecorder()
-    monkeypatch.setattr(transpose_module, "_transpose_kernel", recorder)
+    recorder = launch_recorder(transpose_module, "_transpose_kernel")
     x = torch.empty(shape, dtype=torch.uint8)
     assert transpose(x).shape == shape[::-1]
     (grid,) = recorder.grids

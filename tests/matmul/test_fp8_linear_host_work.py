@@ -13,8 +13,8 @@ import collections
 
 import pytest
 import torch
+from op_counter import CountOps  # tests/matmul is on sys.path
 from torch.profiler import profile
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from tutorial_lib.matmul import scaled_mm
 from tutorial_lib.matmul.fp8_linear import PROFILE_LABELS, Fp8Linear, Fp8Recipe
@@ -29,16 +29,6 @@ SHAPES = {"hybrid": (32, 64, 48), "blockwise": (128, 128, 128)}  # (tokens, in_f
 # forward + backward dispatched 106 ops (hybrid) / 240 ops (blockwise), 14 / 16 of them record_function ranges,
 # and built 7 wrapper subclasses each: one per GEMM operand plus the quantized x and weight.
 MAX_OPS = {"hybrid": 82, "blockwise": 220}
-
-
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _layer(kind: str, dtype=torch.float32, **recipe):
@@ -67,7 +57,7 @@ def test_one_forward_and_backward_dispatches_at_most_the_lean_count(kind, monkey
     made = []
     make = torch.Tensor._make_wrapper_subclass
     monkeypatch.setattr(torch.Tensor, "_make_wrapper_subclass", lambda *a, **k: made.append(a[0]) or make(*a, **k))
-    with _CountOps() as counted:
+    with CountOps() as counted:
         _step(layer, x, g)
     ops = collections.Counter({k: v for k, v in counted.ops.items() if k != "aten.detach.default"})
     assert not made, f"wrapper subclasses built per step: {made}"

@@ -22,13 +22,12 @@ checked to stay below 1e-3 of the largest value: far below FP8's own rounding (2
 size of error a wrong code or scale would bring.
 """
 
-import collections
 import dataclasses
 
 import fp8_pad_rank_functions as prf  # tests/matmul is on sys.path (see that module)
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from op_counter import CountOps  # tests/matmul is on sys.path
 from tutorial_kernels import interpreted
 
 from tutorial_lib.dist.launcher import launch
@@ -118,16 +117,6 @@ def test_without_pad_tokens_the_batch_is_refused_naming_the_option(kind):
     assert Fp8Recipe(kind).pad_tokens is False
 
 
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("kind", ["hybrid", "blockwise"])
 def test_pad_tokens_copies_nothing_when_the_tokens_fit(kind):
     """At a token count that fits, ``pad_tokens=True`` dispatches exactly the torch ops of the default recipe (no
@@ -141,7 +130,7 @@ def test_pad_tokens_copies_nothing_when_the_tokens_fit(kind):
     for recipe, rows in ((Fp8Recipe(kind), fit), (Fp8Recipe(kind, pad_tokens=True), fit),
                          (Fp8Recipe(kind, pad_tokens=True), fit - 1)):
         _run(recipe, x[:rows], w, b, g[:rows])  # warm: first-call work is not per-call work
-        with _CountOps() as counted:
+        with CountOps() as counted:
             results.append(_run(recipe, x[:rows], w, b, g[:rows]))
         counts.append(counted.ops)
     assert counts[1] == counts[0] and all(torch.equal(p, q) for p, q in zip(results[1], results[0]))
