@@ -102,59 +102,47 @@ def requantize(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, batched: bool 
     updated every pair reads nothing back. ``None``: every pair is written (the old contract).
     Returns the number of amax all-reduces issued by the batched route.
     """
-    if has_grad is not None:
-        return _requantize_updated(pairs, batched, has_grad)
-    groups: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for local, master in pairs:
-        if batched and batchable(local):
-            groups.setdefault(id(local.quantizer.group), []).append((local, master))
-        else:
-            local.copy_(master)  # the format requantizes itself (its quantizer or its own rule)
-    for items in groups.values():
-        # a view's write rescales its whole root: reduce (and cast) the root's values, as copy_ would
-        targets = [local.requantize_target(master) for local, master in items]
-        amaxes = torch.stack([amax(values) for _, values in targets])
-        all_reduce_amax(amaxes, items[0][0].quantizer.group)  # ONE collective for the whole group
-        for j, ((target, values), (local, _)) in enumerate(zip(targets, items)):
-            local.quantizer.quantize_into(target, values, reduced_amax=amaxes[j])
-    return len(groups)
-
-
-def _requantize_updated(pairs: list, batched: bool, has_grad: list[bool]) -> int:
-    """:func:`requantize` with ``has_grad``: the same collectives on every rank, whatever it updated."""
-    if len(has_grad) != len(pairs):
+    if has_grad is not None and len(has_grad) != len(pairs):
         raise ValueError(f"has_grad has {len(has_grad)} entries for {len(pairs)} pairs")
-    current: dict[int, list[int]] = {}  # process group -> pair indices: amax + presence, one collective
-    other: dict[int, list[int]] = {}  # grouped, another format (NVFP4): presence first, then copy_
+    flagged = has_grad is not None  # every rank passes every pair: who updated what travels with the amaxes
+    updated = has_grad if flagged else [True] * len(pairs)
+    current: dict[int, list[int]] = {}  # process group (or, unbatched, the pair) -> pair indices: ONE collective
+    other: dict[int, list[int]] = {}  # flagged, grouped, another format (NVFP4): presence first, then copy_
     for k, (local, master) in enumerate(pairs):
         q = getattr(local, "quantizer", None)
-        if hasattr(q, "amax_group"):
+        if flagged and hasattr(q, "amax_group"):
             q.amax_group()  # a group dropped by pickling raises HERE, on every rank, grad or not
-        if batchable(local):
-            current.setdefault(id(local.quantizer.group) if batched else -1 - k, []).append(k)
-        elif grouped(local):
-            other.setdefault(id(local.quantizer.group), []).append(k)
-        elif has_grad[k]:
-            local.copy_(master)  # no collective: only an updated master is written
+        if batchable(local) and (batched or flagged):
+            current.setdefault(id(q.group) if batched else -1 - k, []).append(k)
+        elif flagged and grouped(local):
+            other.setdefault(id(q.group), []).append(k)
+        elif updated[k]:
+            local.copy_(master)  # the format requantizes itself (its quantizer or its own rule)
     for ks in current.values():
         group = pairs[ks[0]][0].quantizer.group
+        # a view's write rescales its whole root: reduce (and cast) the root's values, as copy_ would
         targets = [pairs[k][0].requantize_target(pairs[k][1]) for k in ks]
         amaxes = torch.stack([amax(values) for _, values in targets])
-        missing = not all(has_grad[k] for k in ks)
-        flags = torch.tensor([has_grad[k] for k in ks], dtype=torch.int32) if missing else None
-        present = all_reduce_amax_and_presence(amaxes, flags, group)
-        write = [has_grad[k] or p for k, p in zip(ks, present.tolist())] if missing else [True] * len(ks)
+        write = [True] * len(ks)
+        if not flagged:
+            all_reduce_amax(amaxes, group)  # ONE collective for the whole group
+        elif all(updated[k] for k in ks):
+            all_reduce_amax_and_presence(amaxes, None, group)  # this rank writes them all: nothing read back
+        else:
+            flags = torch.tensor([updated[k] for k in ks], dtype=torch.int32)
+            present = all_reduce_amax_and_presence(amaxes, flags, group).tolist()
+            write = [updated[k] or bool(p) for k, p in zip(ks, present)]
         for j, (k, (target, values)) in enumerate(zip(ks, targets)):
             if write[j]:
                 pairs[k][0].quantizer.quantize_into(target, values, reduced_amax=amaxes[j])
     for ks in other.values():
-        missing = not all(has_grad[k] for k in ks)
+        missing = not all(updated[k] for k in ks)
         device = pairs[ks[0]][1].device
-        flags = (torch.tensor([has_grad[k] for k in ks], dtype=torch.int32).to(device) if missing
+        flags = (torch.tensor([updated[k] for k in ks], dtype=torch.int32).to(device) if missing
                  else torch.ones(len(ks), dtype=torch.int32, device=device))
         all_reduce_amax(flags.view(torch.float32), pairs[ks[0]][0].quantizer.group)  # MAX of 0/1 flags
         present = flags.tolist() if missing else [1] * len(ks)
         for k, p in zip(ks, present):
-            if has_grad[k] or p:
+            if updated[k] or p:
                 pairs[k][0].copy_(pairs[k][1])  # the format's own collective: joined by every rank
     return len(current) if batched else 0

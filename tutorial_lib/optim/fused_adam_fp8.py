@@ -13,7 +13,7 @@ from tutorial_lib.optim.amax_reduce import all_reduce_amax_and_presence
 from tutorial_lib.optim.fused_adam_plan import Bucket
 from tutorial_lib.quant.float8 import record_amaxes
 from tutorial_lib.quant.per_tensor import amax as amax_of
-from tutorial_lib.quant.per_tensor import quantize_per_tensor
+from tutorial_lib.quant.per_tensor import cast_delayed_scaling
 
 __all__ = ["fp8_current_step", "fp8_delayed_step"]
 
@@ -65,10 +65,9 @@ def fp8_delayed_step(b: Bucket, hyper: torch.Tensor, grads: list, kw: dict, all_
     for j in missing:
         if updated[j]:  # another rank updated this tensor: this shard follows, at the scale in force
             local, master = b.pairs[j]
-            bufs = local.raw_buffers()
-            bufs["data"].copy_(quantize_per_tensor(master, scales[j], local.fmt))
-            inv = torch.ones_like(scales[j]) / scales[j]  # one IEEE division, as the kernel's div_rn(1, scale)
-            bufs["scale_inv"].copy_(inv.reshape(bufs["scale_inv"].shape))
+            bufs = local.raw_buffers()  # the delayed cast with that scale (reference; the kernel's bytes)
+            res = cast_delayed_scaling(master, scales[j], local.fmt, out=bufs["data"])
+            bufs["scale_inv"].copy_(res.scale_inv.reshape(bufs["scale_inv"].shape))
     if have:  # none: no grad on any rank this step (e.g. an unused layer), nothing to record
         # gathered by views: an index tensor built from `have` would be a blocking host-to-device copy
         record_amaxes([b.quantizers[j] for j in have], torch.stack([amax[j] for j in have]))
