@@ -12,6 +12,7 @@ from tutorial_lib.train.checkpoints import (
     RunMismatchError,
     check_no_checkpoints_ahead,
     check_same_run,
+    checkpoint_due,
     checkpoint_path,
     latest_checkpoint,
     resolve_resume,
@@ -260,6 +261,9 @@ def test_checkpoints_ahead_of_a_resume_are_refused_before_training(tmp_path):
 def test_the_last_step_is_a_checkpoint_too(tmp_path):
     """A run of 10 steps, a checkpoint every 4: it saves 4, 8 and 10 -- so rewinding to 8 over an existing 10 is
     refused before training, like any other checkpoint the run would write."""
+    assert [s for s in range(1, 11) if checkpoint_due(s, 10, 4)] == [4, 8, 10]
+    assert [s for s in range(1, 9) if checkpoint_due(s, 8, 4)] == [4, 8]  # the last step is saved once
+    assert not any(checkpoint_due(s, 10, 0) for s in range(1, 11))  # every=0: never, not even the last step
     _complete_checkpoint(tmp_path, 10)
     check_no_checkpoints_ahead(tmp_path, start=10, steps=10, every=4)  # a finished run's resume writes nothing
     with pytest.raises(FileExistsError, match="step_0000010"):

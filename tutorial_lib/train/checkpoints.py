@@ -44,8 +44,8 @@ from tutorial_lib.dist.checkpoint import load_checkpoint, save_checkpoint
 from tutorial_lib.dist.training_state import TrainingState
 from tutorial_lib.train.data import corpus_bytes
 
-__all__ = ["RUN_FILE", "RunMismatchError", "check_no_checkpoints_ahead", "check_same_run", "checkpoint_path",
-           "latest_checkpoint", "load_training_checkpoint", "resolve_resume", "run_definition",
+__all__ = ["RUN_FILE", "RunMismatchError", "check_no_checkpoints_ahead", "check_same_run", "checkpoint_due",
+           "checkpoint_path", "latest_checkpoint", "load_training_checkpoint", "resolve_resume", "run_definition",
            "save_training_checkpoint", "write_run_definition"]
 
 RUN_FILE = "run.json"  # <out>/run.json: what defines the run (see run_definition)
@@ -146,14 +146,22 @@ def check_same_run(checkpoint: str, definition: dict) -> None:
             "micro-batches the data order): start a new --out instead")
 
 
+def checkpoint_due(step: int, steps: int, every: int) -> bool:
+    """Whether a run of ``steps`` steps that checkpoints every ``every`` steps (0: never) saves after ``step``:
+    on each multiple of ``every``, and after the last step whatever the period.
+
+    >>> [s for s in range(1, 11) if checkpoint_due(s, 10, 4)]
+    [4, 8, 10]
+    """
+    return bool(every) and (step % every == 0 or step == steps)
+
+
 def check_no_checkpoints_ahead(out: str | os.PathLike, start: int, steps: int, every: int) -> None:
     """Refuse (``FileExistsError``) before any training a run from ``start`` to ``steps`` whose checkpoint
     every ``every`` steps, or after the last step, would land on a complete checkpoint that already exists (a
     newer one of an earlier run): the save would fail after the training in between. A directory without
     ``.metadata`` (a save cut short by a kill) is no obstacle: the new save completes it."""
-    if not every:
-        return
-    taken = [checkpoint_path(out, s) for s in range(start + 1, steps + 1) if (s % every == 0 or s == steps)
+    taken = [checkpoint_path(out, s) for s in range(start + 1, steps + 1) if checkpoint_due(s, steps, every)
              and os.path.exists(os.path.join(checkpoint_path(out, s), ".metadata"))]
     if taken:
         raise FileExistsError(f"{len(taken)} checkpoint(s) this run would write already exist, first {taken[0]}: "
