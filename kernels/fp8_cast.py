@@ -201,9 +201,19 @@ def _dequantize_kernel(q_ptr, out_ptr, scale_inv_ptr, n, FMT: tl.constexpr, OUT_
     base, idx = _block_offsets(tl.program_id(0), BLOCK)
     v = decode_fp8(_load(q_ptr, base, idx, n, BLOCK), FMT) * scale_inv
     if OUT_BF16:
-        _store(out_ptr, base, idx, to_bf16(v), n, BLOCK)  # RNE on both backends
+        _store(out_ptr, base, idx, to_bf16(_saturate(v, 3.3895313892515355e38)), n, BLOCK)  # RNE on both backends
     else:
+        if out_ptr.dtype.element_ty == tl.float16:
+            v = _saturate(v, 65504.0)
         _store(out_ptr, base, idx, v.to(out_ptr.dtype.element_ty), n, BLOCK)
+
+
+@triton.jit
+def _saturate(v, TOP: tl.constexpr):
+    """The reference's ``round_saturating`` before the rounding: finite ``|v| > TOP`` (the output dtype's largest
+    value) -> +-TOP; inf and NaN stay. Selects, no min/max."""
+    over = (tl.abs(v) > TOP) & (tl.abs(v) < float("inf"))
+    return tl.where(over, tl.where(v > 0, TOP, -TOP), v)
 
 
 @triton.jit
@@ -433,7 +443,8 @@ def cast_delayed_scaling(x: torch.Tensor, scale, fmt: str = "e4m3", *, out: torc
 def dequantize_per_tensor(data: torch.Tensor, scale_inv, fmt: str = "e4m3", dtype: torch.dtype = torch.float32, *,
                           out: torch.Tensor | None = None, block: int | None = None,
                           num_warps: int | None = None) -> torch.Tensor:
-    """``fp8(data) * scale_inv`` in fp32, rounded (RNE) to ``dtype``; same values as the torch reference."""
+    """``fp8(data) * scale_inv`` in fp32, rounded (RNE) to ``dtype`` -- a finite value past a bf16/fp16 range to
+    +-its largest one (the reference's ``round_saturating``); same values as the torch reference."""
     check_dequantize_args(data, fmt, dtype)
     if not data.is_contiguous():
         raise ValueError(f"the Triton dequantize needs contiguous data, got strides {data.stride()}")

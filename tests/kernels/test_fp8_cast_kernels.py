@@ -19,7 +19,7 @@ from tutorial_kernels.fp8_round import decode_fp8, round_to_bf16_grid, round_to_
 
 import tutorial_lib.quant.per_tensor as ref
 from tutorial_lib.quant.float8 import CurrentScaling, DelayedScaling
-from tutorial_lib.quant.formats import FORMATS, all_codes, all_values
+from tutorial_lib.quant.formats import FORMATS, all_codes, all_values, decode
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = ["e4m3", "e5m2"]
@@ -244,9 +244,32 @@ def test_cast_with_transpose_nan_empty_and_bad_input():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dequantize_all_codes(fmt, dtype):
     codes = all_codes(fmt).repeat(9).to(DEV)  # 2304 elements: 3 programs, masked tail
-    for s in (0.37, 2.0**-130 * 3, 1e30):  # ordinary, subnormal results, overflow to inf in bf16/fp16
+    for s in (0.37, 2.0**-130 * 3, 1e30):  # ordinary, subnormal results, past fp16's range (saturates)
         got = k.dequantize_per_tensor(codes, torch.tensor(s), fmt, dtype, block=BLOCK)
         assert _same(got.cpu(), ref.dequantize_per_tensor(codes.cpu(), torch.tensor(s), fmt, dtype))
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_dequantize_saturates_finite_values_at_the_output_dtype_max(fmt):
+    """As the reference: a finite fp32 ``code * scale_inv`` past bf16's (fp16's) range gives +-its largest value,
+    never inf; inf and NaN codes stay. Scales where fmt.max decodes to [FLT_MAX / 2, FLT_MAX] (delayed scaling's
+    margin floor decodes it to ~FLT_MAX) and to [2**16, 2**17) (fp16)."""
+    g = torch.Generator().manual_seed(4242)
+    codes = all_codes(fmt).repeat(9).to(DEV)
+    decoded = decode(all_codes(fmt), fmt).repeat(9)  # exact fp32 values, inf / NaN codes included
+    fmax, top = FORMATS[fmt].max, torch.finfo(torch.float32).max
+    invs = [ref.scale_from_amax(torch.tensor(top), fmt, margin=1).reciprocal()]
+    invs += [torch.tensor(top / fmax * (0.5 + 0.5 * torch.rand((), generator=g).item())),
+             torch.tensor(2.0**16 / fmax * (1 + torch.rand((), generator=g).item()))]
+    for inv in invs:
+        v = decoded * inv
+        for dtype in (torch.bfloat16, torch.float16):
+            m = torch.finfo(dtype).max
+            expect = torch.where(torch.isfinite(v) & (v.abs() > m), v.sign() * m, v).to(dtype)
+            if dtype == torch.float16 or v[torch.isfinite(v)].abs().max() > m:  # (fp16: every scale here)
+                assert (torch.isfinite(v) & v.to(dtype).isinf()).any()  # plain RNE would give inf here
+            got = k.dequantize_per_tensor(codes, inv, fmt, dtype, block=BLOCK).cpu()
+            assert _same(got, expect) and _same(got, ref.dequantize_per_tensor(codes.cpu(), inv, fmt, dtype))
 
 
 def test_quantize_dequantize_round_trip_through_kernels():

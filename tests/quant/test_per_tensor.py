@@ -391,10 +391,8 @@ def test_values_near_float32_max_round_trip_finite(fmt, pow2, dtype):
             if isinstance(qz, DelayedScaling):
                 qz.cast(x)  # records the amax: the next scale comes from it
             q = qz.quantize(x)
-            # (not in bf16 for exact delayed scales: the margin floor fmax / FLT_MAX decodes fmt.max to FLT_MAX,
-            # past bf16's largest value; the fp32 values are checked below)
-            if dtype == torch.float32 or pow2 or isinstance(qz, CurrentScaling):
-                assert torch.isfinite(q.dequantize()).all(), (x.tolist(), type(qz).__name__)
+            # (in bf16 too: the margin floor fmax / FLT_MAX decodes fmt.max to ~FLT_MAX, which saturates to bf16's max)
+            assert torch.isfinite(q.dequantize()).all(), (x.tolist(), type(qz).__name__)
             deq, inv = q.dequantize(torch.float32), q.scale_inv
             assert torch.isfinite(deq).all(), (x.tolist(), type(qz).__name__)
             scale = qz.scale if isinstance(qz, DelayedScaling) else scale_from_amax(amax(x), fmt, pow2_scales=pow2)
@@ -406,6 +404,59 @@ def test_values_near_float32_max_round_trip_finite(fmt, pow2, dtype):
             assert torch.all(err[~saturated] <= bound[~saturated]), (x.tolist(), deq.tolist())
             if isinstance(qz, CurrentScaling):
                 assert pow2 or not saturated.any(), "exact current scales never saturate"
+
+
+def _saturated(decoded: torch.Tensor, dtype) -> torch.Tensor:
+    """fp32 decoded values rounded to ``dtype`` with finite ones past its range at +-its largest value."""
+    m = torch.finfo(dtype).max
+    return torch.where(decoded.abs() > m, decoded.sign() * m, decoded).to(dtype)
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_dequantize_to_bf16_or_fp16_saturates_where_the_input_was_finite(fmt):
+    """Finite input never dequantizes to inf in its own dtype, where the fp32 value ``code * scale_inv`` passes
+    the dtype's largest value: delayed scaling's margin floor (fmt.max decodes to ~FLT_MAX, past bf16's max),
+    power-of-two scales of fp16 (65504 * 2**-8 rounds to E4M3's 256: 65536 after decoding) and delayed scaling
+    with a margin in fp16. Such values saturate to the dtype's largest value; all others round as before."""
+    g = torch.Generator().manual_seed(20260417)
+    spec, bf16_max, fp16_max = FORMATS[fmt], torch.finfo(torch.bfloat16).max, torch.finfo(torch.float16).max
+    near_top = lambda top, dtype: ((0.9 + 0.1 * torch.rand(4096, generator=g)) * top  # noqa: E731
+                                   * torch.where(torch.rand(4096, generator=g) < 0.5, -1.0, 1.0)).to(dtype)
+    cases = []
+    for margin in (1, 3):  # history amax near FLT_MAX: the scale stops at fmax / FLT_MAX
+        dq = DelayedScaling(fmt, history_len=2, margin=margin)
+        dq.record_amax(torch.tensor(_FP32_MAX * (0.6 + 0.4 * torch.rand((), generator=g).item())))
+        cases.append((dq, near_top(bf16_max, torch.bfloat16)))
+    cases.append((CurrentScaling(fmt, pow2_scales=True), near_top(fp16_max, torch.float16)))
+    dq = DelayedScaling(fmt, history_len=1, margin=1)
+    dq.record_amax(torch.tensor(fp16_max * 0.9))  # finite fp16 history; 2 * 0.9 * 65504 is past fp16's range
+    cases.append((dq, near_top(fp16_max, torch.float16)))
+    for qz, x in cases:
+        assert torch.isfinite(x).all()
+        q = qz.quantize(x)
+        data, inv = q.raw_buffers()["data"], q.scale_inv
+        decoded = decode(data, fmt) * inv  # exact fp32 values of the codes
+        assert torch.isfinite(decoded).all() and decoded.to(x.dtype).isinf().any(), "the case must reach past"
+        expect = _saturated(decoded, x.dtype)
+        for got in (q.dequantize(), dequantize_per_tensor(data, inv, fmt, x.dtype)):
+            assert got.dtype == x.dtype and torch.equal(got, expect), type(qz).__name__
+        assert torch.equal(q.dequantize(torch.float32), decoded)  # fp32 holds them: unchanged
+        assert (expect.float().abs() <= spec.max * inv).all()
+
+
+def test_dequantize_keeps_non_finite_values():
+    """Saturation is for finite values only: NaN codes stay NaN, E5M2's inf codes stay inf, a NaN scale_inv (current
+    scaling of non-finite input) gives NaN everywhere, in every dtype."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    for fmt in FP8:
+        ref = decode(codes, fmt)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            got = dequantize_per_tensor(codes, torch.tensor(1e36), fmt, dtype)
+            assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.isinf(), ref.isinf() | (
+                torch.isfinite(ref) & (ref * 1e36).isinf()))  # inf codes, and fp32 products past FLT_MAX
+            assert dequantize_per_tensor(codes, torch.tensor(float("nan")), fmt, dtype).isnan().all()
+    x = torch.tensor([1.0, float("inf"), -3.0e38], dtype=torch.bfloat16)
+    assert CurrentScaling("e4m3").quantize(x).dequantize().isnan().all()
 
 
 @pytest.mark.parametrize("make", [CurrentScaling, DelayedScaling])

@@ -63,6 +63,7 @@ from tutorial_lib.quant.per_tensor import (
     check_amax_eps,
     check_input,
     quantize_per_tensor,
+    round_saturating,
     scale_from_amax,
 )
 from tutorial_lib.quant.scale_group import ScaleGroupMixin
@@ -173,9 +174,10 @@ class Float8Tensor(QuantizedTensor):
         return self._scale_inv
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Plain tensor ``fp8(code) * scale_inv`` (computed in fp32, returned in ``dtype`` or nominal)."""
+        """Plain tensor ``fp8(code) * scale_inv`` (computed in fp32, returned in ``dtype`` or nominal): finite
+        values past a bf16/fp16 range saturate to its largest value (``per_tensor.round_saturating``)."""
         values = self._data.view(FP8_DTYPES[self._fmt]).to(torch.float32) * self._scale_inv
-        return values.to(dtype or self.dtype)
+        return round_saturating(values, dtype or self.dtype)
 
     def __repr__(self, *, tensor_contents=None) -> str:
         s = self._scale_inv

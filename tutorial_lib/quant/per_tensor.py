@@ -28,6 +28,8 @@ Documented results for special input (all tested):
   saturates, NaN stays NaN -- records the non-finite amax, and keeps its previous scale.
 * finite input near the largest fp32 decodes finite: with ``pow2_scales``, magnitudes above 1.75 * 2**127
   saturate to 1.75 * 2**127 (the power-of-two scale is floored where ``max * scale_inv`` stays finite).
+* dequantizing to bf16/fp16 saturates: a finite fp32 ``code * scale_inv`` past the dtype's range becomes
+  +-its largest value, not inf (``round_saturating``: a margin's floor, or a pow2 scale of fp16 input).
 * the cast saturates ("satfinite"): ``|x * scale| > max`` and +-inf give +-max; NaN stays NaN.
   The sign of a NaN that went through ``x * scale`` is platform-dependent (x86 keeps it, CUDA
   arithmetic returns a canonical positive NaN); both are NaN codes.
@@ -62,7 +64,7 @@ __all__ = [
     "SUPPORTED_DTYPES", "FP8_FORMATS", "CastResult", "amax", "scale_from_amax", "quantize_per_tensor",
     "dequantize_per_tensor", "cast_current_scaling", "cast_current_scaling_with_transpose", "cast_delayed_scaling",
     "check_input", "check_scale_arg",
-    "check_amax_eps", "check_dequantize_args", "all_reduce_amax", "fake_quantize_per_tensor",
+    "check_amax_eps", "check_dequantize_args", "all_reduce_amax", "fake_quantize_per_tensor", "round_saturating",
 ]
 
 _ABS_MASK = 0x7FFFFFFF
@@ -137,10 +139,27 @@ def quantize_per_tensor(x: torch.Tensor, scale, fmt: str = "e4m3") -> torch.Tens
 
 def dequantize_per_tensor(data: torch.Tensor, scale_inv: torch.Tensor | float, fmt: str = "e4m3",
                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``fp8(data) * scale_inv`` computed in fp32, then rounded (RNE) to ``dtype``."""
+    """``fp8(data) * scale_inv`` computed in fp32, then rounded (RNE) to ``dtype``, saturating
+    (:func:`round_saturating`)."""
     check_dequantize_args(data, fmt, dtype)
     values = data.view(get_format(fmt).torch_dtype).float()
-    return (values * torch.as_tensor(scale_inv, dtype=torch.float32, device=data.device)).to(dtype)
+    return round_saturating(values * torch.as_tensor(scale_inv, dtype=torch.float32, device=data.device), dtype)
+
+
+def round_saturating(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``values`` rounded (RNE) to ``dtype``, a finite value past its range at +-its largest one; inf, NaN stay.
+
+    A scale can decode the largest codes beyond the range of the dtype the tensor came from, though its
+    input was finite: delayed scaling's margin floor (``fmax / FLT_MAX``) decodes ``fmax`` to ~FLT_MAX, past
+    bf16's largest value (~3.3895e38); a power-of-two scale of fp16 input rounds 65504 * 2**-8 up to E4M3's
+    256, 65536 after decoding; a margin's headroom decodes ``fmax`` to ``2**margin`` times the history amax.
+    Plain RNE would round those to inf. Saturating instead is the FP8 cast's own rule ("satfinite"); a
+    genuinely non-finite input is not hidden (current scaling makes every value NaN, and delayed scaling
+    already saturated an inf in the cast)."""
+    if not dtype.is_floating_point or torch.finfo(dtype).max >= _FP32_MAX:  # fp32 and wider hold every fp32 value
+        return values.to(dtype)
+    top = torch.finfo(dtype).max
+    return torch.where(values.isinf(), values, values.clamp(-top, top)).to(dtype)  # clamp keeps NaN
 
 
 def cast_current_scaling(x: torch.Tensor, fmt: str = "e4m3", *, pow2_scales: bool = False, amax_eps: float = 1e-12,

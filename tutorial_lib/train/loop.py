@@ -16,6 +16,7 @@ What :func:`train_model` does on every rank, in order (the lesson each step come
        (micro-batches: FSDP2's gradient sync only on the last), FusedAdam step
     9  a DCP checkpoint every ckpt_every steps and after the last; every eval_every steps the validation loss;
        every log_every steps loss, tokens/s and peak memory per rank -> metrics.jsonl; tqdm on rank 0
+       (a record rank 0 cannot write stops every rank at the next log point, or at the end of the run)
 
 All parameters are fp32 shards; compute is bf16 (``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
 reduce_dtype=torch.float32)``), quantized weights are gathered in their format and used as bf16
@@ -253,6 +254,43 @@ def train_step(model, opt, data: TextData, cfg: TrainConfig, step: int, dev) -> 
     return total if cfg.micro_batches == 1 else total / cfg.micro_batches
 
 
+class _RankZeroLog:
+    """The metrics log as the loop writes it. Only rank 0 writes, after its step's collectives: a write failing there
+    (disk full, the file made read-only) and raised at once would leave the other ranks waiting in the next step's
+    collectives until the timeout. So a failed write is kept (later records are skipped), rank 0 trains on with the
+    others, and every rank raises where the ranks already meet: the next log point's loss all_reduce carries the
+    flag (no collective, no host sync added), and the end of the run compares once (:meth:`finish`)."""
+
+    def __init__(self, log: MetricsLog):
+        self.log, self.error = log, None
+
+    def write(self, event: str, **fields) -> None:
+        if self.error is None:
+            try:
+                self.log.write(event, **fields)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank at the next point they meet
+                exc.add_note(f"(writing the {event!r} record of step {fields.get('step')}; raised where every rank "
+                             "could stop with it)")
+                self.error = exc
+
+    def flag(self, like: torch.Tensor) -> torch.Tensor:
+        """1 where this rank's write failed, else 0: a summed element of the log point's all_reduce."""
+        return torch.full_like(like, float(self.error is not None))
+
+    def raise_on_every_rank(self) -> None:
+        """Every rank calls it together: the kept failure is raised on every rank (one all_gather_object)."""
+        with every_rank_or_none(f"writing the metrics log {self.log.path}"):
+            if self.error is not None:
+                raise self.error
+
+    def finish(self, event: str, **fields) -> None:
+        """The run's last record, then the run's one comparison of the ranks' writes since the last log point."""
+        with every_rank_or_none(f"writing the metrics log {self.log.path}"):
+            if self.error is not None:
+                raise self.error
+            self.log.write(event, **fields)
+
+
 def _agreed_resume_path(cfg: TrainConfig) -> str | None:
     """The checkpoint every rank resumes from. Each rank resolves ``cfg.resume`` itself (a shared file system may
     show a new checkpoint to some nodes before others), then the ranks compare: any error or disagreement is
@@ -305,6 +343,7 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     if rank == 0:
         print(f"[train] {cfg.fmt}: {matmul}; {ws} rank(s) on {dev.type}; {model_cfg.n_params():,} parameters"
               + (f"; resumed at step {start} from {resume_path}" if resume_path else ""), flush=True)
+    records = _RankZeroLog(log)  # from here a failed write is raised on every rank together
     tokens_per_step = ws * cfg.micro_batches * cfg.batch_size * model_cfg.seq_len
     losses, val_losses, checkpoints, rates, step_times = [], {}, [], [], []
     pending = []  # this interval's per-step losses, on the device (no host sync per step)
@@ -319,9 +358,11 @@ def train_model(cfg: TrainConfig) -> TrainResult:
         done = step + 1
         restart = False  # a new timing interval starts after every record, evaluation and checkpoint
         if done % cfg.log_every == 0 or done == cfg.steps:
-            mean = torch.stack(pending).float()
+            mean = torch.stack([*pending, records.flag(pending[0])]).float()  # the losses, "a metrics write failed"
             dist.all_reduce(mean)
-            step_losses = (mean / ws).tolist()  # a host sync: the interval's work is finished
+            *step_losses, write_failed = (mean / ws).tolist()  # a host sync: the interval's work is finished
+            if write_failed:  # the same on every rank: all of them raise here
+                records.raise_on_every_rank()
             _sync(dev)
             elapsed = time.perf_counter() - t0
             losses += step_losses
@@ -332,18 +373,19 @@ def train_model(cfg: TrainConfig) -> TrainResult:
             mem = torch.tensor([peak_memory_bytes(dev)], dtype=torch.float64, device=dev)
             mems = [torch.zeros_like(mem) for _ in range(ws)]
             dist.all_gather(mems, mem)
-            log.write("train", step=done, loss=step_losses[-1], lr=learning_rate(cfg, step), tokens_per_s=rate,
-                      step_ms=step_ms, peak_memory_bytes=[int(m.item()) for m in mems], memory_kind=memory_kind(dev))
+            records.write("train", step=done, loss=step_losses[-1], lr=learning_rate(cfg, step), tokens_per_s=rate,
+                          step_ms=step_ms, peak_memory_bytes=[int(m.item()) for m in mems],
+                          memory_kind=memory_kind(dev))
             bar.set_postfix(loss=f"{step_losses[-1]:.3f}", tok_s=f"{rate:,.0f}")
             restart = True
         # the checkpoint before the evaluation: the step's work is saved first
         if checkpoint_due(done, cfg.steps, cfg.ckpt_every):  # every ckpt_every steps, and after the last
             checkpoints.append(save_training_checkpoint(model, opt, done, cfg.out))
-            log.write("checkpoint", step=done, path=checkpoints[-1])
+            records.write("checkpoint", step=done, path=checkpoints[-1])
             restart = True
         if done % cfg.eval_every == 0 or done == cfg.steps:
             val_losses[done] = evaluate(model, data, cfg, dev)
-            log.write("eval", step=done, val_loss=val_losses[done])
+            records.write("eval", step=done, val_loss=val_losses[done])
             restart = True
         if cfg.crash_after is not None and done == cfg.crash_after:
             bar.close()
@@ -364,8 +406,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     result = TrainResult(cfg.fmt, matmul, ws, model_cfg.n_params(), start, cfg.steps, losses, val_losses,
                          val_losses[cfg.steps], _median(rates[1:] or rates), _median(step_times[1:] or step_times),
                          [int(m.item()) for m in mems], memory_kind(dev), checkpoints, digests)
-    log.write("end", step=cfg.steps, val_loss=result.final_val_loss, tokens_per_s=result.tokens_per_s,
-              step_ms=result.step_ms, peak_memory_bytes=result.peak_memory_bytes, digests=digests)
+    records.finish("end", step=cfg.steps, val_loss=result.final_val_loss, tokens_per_s=result.tokens_per_s,
+                   step_ms=result.step_ms, peak_memory_bytes=result.peak_memory_bytes, digests=digests)
     if rank == 0:
         print(f"[train] {cfg.fmt} done: {cfg.steps} steps, val loss {result.final_val_loss:.4f}, "
               f"{result.step_ms:.1f} ms/step, {result.tokens_per_s:,.0f} tokens/s, peak memory per rank "
