@@ -28,11 +28,12 @@ Loading runs no code from the checkpoint: DCP's own reader unpickles ``.metadata
 :func:`load_checkpoint` reads both through allowlists instead and raises
 :class:`UnsafeCheckpointError` naming the item (``tutorial_lib.dist.checkpoint_checks``; ``SECURITY.md``).
 
-Helpers: :func:`save_checkpoint` (sync or async; refuses to overwrite; a directory it creates is
-private, mode 0700), :func:`load_checkpoint` (safe globals, planners, no code run, NaN/Inf check
-naming keys). Re-exported here so one import serves a
-training script: from :mod:`tutorial_lib.dist.checkpoint_checks` :func:`nonfinite_keys`,
-:func:`mismatched_keys`, :func:`uninitialized_memory_as_nan`, :func:`default_safe_globals_only`,
+Helpers: :func:`save_checkpoint` (sync or async -- async on a gloo group of its own, not next to the
+caller's collectives; refuses to overwrite; a directory it creates is private, mode 0700),
+:func:`load_checkpoint` (safe globals, planners, no code run, NaN/Inf check naming keys).
+Re-exported here so one import serves a training script: from
+:mod:`tutorial_lib.dist.checkpoint_checks` :func:`nonfinite_keys`, :func:`mismatched_keys`,
+:func:`uninitialized_memory_as_nan`, :func:`default_safe_globals_only`,
 :class:`SafeFileSystemReader`, :class:`UnsafeCheckpointError`; from
 :mod:`tutorial_lib.dist.checkpoint_dirs` :func:`checkpoint_dir`, :class:`CheckpointDir`,
 :func:`shared_checkpoint_dir` (unique, removed on success and failure).
@@ -50,6 +51,7 @@ Example::
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import io
 import os
@@ -198,12 +200,24 @@ def save_checkpoint(state_dict: dict, path: str | os.PathLike, *, mode: str = "s
     one rank cannot create, raises on every rank, so none is left waiting in DCP's first collective.
 
     Returns None (sync) or a ``concurrent.futures.Future`` (async): call ``.result()`` before
-    reading the checkpoint, removing its directory, or starting the next async save.
+    reading the checkpoint or removing its directory.
+
+    An async save runs ALL of DCP's save collectives (plan gather/scatter, the final metadata
+    gather) from a background thread while the caller goes on with its own collectives. Two threads
+    issuing collectives on ONE group pair them up in whatever order each rank happened to enqueue
+    them: a hang or wrong data. So with ``process_group`` None (or the default group) the save runs
+    on a gloo group of all ranks that only async saves use (the staged copy is on the CPU), made
+    once per default group by the first async save -- a collective: every rank makes its first async
+    save at the same point of its program, as it makes every save. A ``process_group`` you pass is
+    used as it is: keep any other collective off it until the future is done (e.g. pass a group made
+    for checkpoints: ``dist.new_group(backend="gloo")``). Every save and load of this module first
+    waits for this process's earlier async saves, so two saves never overlap on one group.
     """
     path = os.fspath(path)
     if mode not in ("sync", "async"):
         raise ValueError(f"mode must be 'sync' or 'async', got {mode!r}")
     no_dist = not (dist.is_available() and dist.is_initialized())
+    _wait_for_async_saves()
     with every_rank_or_none(f"preparing to save a checkpoint into {path}", process_group):
         if _has_checkpoint(path):
             raise CheckpointExistsError(
@@ -216,12 +230,42 @@ def save_checkpoint(state_dict: dict, path: str | os.PathLike, *, mode: str = "s
         with _single_process_quiet(no_dist):
             dcp.save(state_dict, **kwargs)
         return None
+    if not no_dist:
+        kwargs["process_group"] = _async_save_group(process_group)
     stager = quantized_stager()
     out = dcp.async_save(state_dict, **kwargs, **({"async_stager": stager} if stager is not None else {}))
     future = getattr(out, "upload_completion", out)  # AsyncSaveResponse (async staging) or a Future
     if stager is not None:  # we own it: close it when the upload is done (torch >= 2.9 contract)
         future.add_done_callback(lambda _f: stager.close())
+    _ASYNC_SAVES.append(future)
     return future
+
+
+_ASYNC_SAVES: list[concurrent.futures.Future] = []  # this process's async saves not yet waited for
+_ASYNC_GROUP: list = []  # [(default group, its async-save group)]: the default group is kept alive, compared by `is`
+
+
+def _wait_for_async_saves() -> None:
+    """Wait (without raising: the caller holds each future) for this process's async saves to finish."""
+    concurrent.futures.wait(_ASYNC_SAVES)
+    _ASYNC_SAVES.clear()
+
+
+def _async_save_group(process_group):
+    """The group an async save runs its collectives on (see :func:`save_checkpoint`)."""
+    default = dist.distributed_c10d._get_default_group()
+    if process_group is not None and process_group is not default:
+        return process_group
+    if not _ASYNC_GROUP or _ASYNC_GROUP[0][0] is not default:  # first async save, or a new default group
+        timeout = None  # the default group's timeout (the launcher sets a short one), not gloo's 30 minutes
+        for device in ("cpu", "cuda"):  # gloo's backend or, for an NCCL-only default group, NCCL's
+            try:
+                timeout = default._get_backend(torch.device(device)).options._timeout
+                break
+            except (RuntimeError, AttributeError):
+                continue
+        _ASYNC_GROUP[:] = [(default, dist.new_group(backend="gloo", timeout=timeout, group_desc="async_checkpoint"))]
+    return _ASYNC_GROUP[0][1]
 
 
 # ----------------------------------------------------------------------------- load side
@@ -385,10 +429,12 @@ def load_checkpoint(state_dict: dict, path: str | os.PathLike, *, check_finite: 
     Runs no code from the checkpoint: ``.metadata`` goes through :class:`SafeFileSystemReader`, non-tensor
     leaves through ``weights_only=True``; an item that would need anything else raises
     :class:`UnsafeCheckpointError` naming it, before any of it runs. A checkpoint that one rank cannot
-    find or open raises on every rank (each names the rank that failed), before any collective.
+    find or open raises on every rank (each names the rank that failed), before any collective. Waits for this
+    process's async saves first (:func:`save_checkpoint`).
     """
     path = os.fspath(path)
     no_dist = not (dist.is_available() and dist.is_initialized())
+    _wait_for_async_saves()  # an async save of this process may still use process_group (or write path)
     # Each rank reads its own view of the file system: a checkpoint missing or refused on ANY rank raises on
     # every rank here, before DCP's first collective (a node that does not see it yet must not strand the rest).
     with every_rank_or_none(f"opening the checkpoint {path}", process_group):
