@@ -358,3 +358,36 @@ def test_a_second_run_of_a_lesson_into_the_same_folder_stops_naming_the_first(tm
         pass
     assert not [p.name for p in out.iterdir() if p.name.startswith(".17_twice.") and not p.name.endswith(".lock")]
     assert os.path.exists(out / ".17_twice.lock")
+
+
+def test_the_html_pages_show_this_commands_runs_even_when_another_run_replaced_them(tmp_path, monkeypatch):
+    """``run`` renders HTML after its last lesson; meanwhile another run of an earlier lesson into the same folder
+    (its lock released once that lesson was done) may replace ``executed/<lesson>``. The pages still show this
+    command's runs: the passing one and the failing one alike."""
+    from tutorial_lib.harness import notebooks
+
+    show = ("print('run', tag)", None)
+    good = _notebook(tmp_path, [show, ("from tutorial_lib.harness.checks import check\ncheck(True, tag)",
+                                       ["self-check"])], "18_good.ipynb", params_src="\ntag = ''")
+    silent = _notebook(tmp_path, [show, ("print('checked nothing')", ["self-check"])], "19_silent.ipynb",
+                       params_src="\ntag = ''")
+    real = notebooks.run_lesson
+
+    def run_then_another(path, out_dir, **kw):
+        try:
+            return real(path, out_dir, **kw)
+        finally:   # e.g. from a second terminal, once this run's lock is released
+            try:
+                real(path, out_dir, **{**kw, "extra_parameters": {"tag": "another"}})
+            except LessonFailed:
+                pass
+
+    monkeypatch.setattr(notebooks, "run_lesson", run_then_another)
+    out = tmp_path / "o"
+    assert _main(["run", str(good), str(silent), "--device", "cpu", "--world-size", "1", "--out", str(out),
+                  "-p", "tag=mine"]) == 1
+    for lesson in (good, silent):
+        published = nbformat.read(out / "executed" / lesson.name, as_version=4)
+        assert published.metadata["papermill"]["parameters"]["tag"] == "another"   # the other run replaced it
+        page = (out / "html" / f"{lesson.stem}.html").read_text()
+        assert "run mine" in page and "run another" not in page, lesson.name

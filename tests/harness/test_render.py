@@ -413,3 +413,119 @@ def test_inputs_records_from_a_log_and_a_copy_made_before_them(tmp_path, monkeyp
     render.render_notebook(_executed(source, tmp_path), source, out / source.name, META)   # no record in the run
     assert "inputs" not in nbformat.read(out / source.name, as_version=4).metadata[render.METADATA_KEY]
     assert render.check_rendered(out, source.parent, root=root) == []
+
+
+# --- renders sharing folders with other runs and renders ----------------------------------------
+
+
+def _tagged_lesson(tmp_path, name):
+    """A lesson printing its ``tag`` parameter, whose self-check passes."""
+    source = _lesson(tmp_path, name, body="print('run', tag)",
+                     check_src="from tutorial_lib.harness.checks import check\ncheck(True, tag)")
+    nb = nbformat.read(source, as_version=4)
+    nb.cells[1].source += "\ntag = ''"
+    nbformat.write(nb, source)
+    return source
+
+
+def test_a_render_renders_its_own_run_even_when_another_run_replaced_the_executed_file(tmp_path, monkeypatch):
+    """Once ``run_lesson`` is over, its lock is released: another run of the lesson into the same folder may then
+    replace ``<folder>/<lesson>`` before the render reads it back. The copy is still made from this run."""
+    from tutorial_lib.harness import notebooks
+
+    source = _tagged_lesson(tmp_path, "00_mine.ipynb")
+    real = notebooks.run_lesson
+
+    def run_then_another(path, out_dir, **kw):
+        run = real(path, out_dir, **{**kw, "extra_parameters": {"tag": "mine"}})
+        real(path, out_dir, **{**kw, "extra_parameters": {"tag": "another"}})   # e.g. from a second terminal
+        return run
+
+    monkeypatch.setattr(render, "run_lesson", run_then_another)
+    monkeypatch.setattr(render, "DEFAULT_OUT", tmp_path / "output")
+    out = tmp_path / "rendered"
+    assert render._main([str(source), "--device", "cpu", "--out", str(out)]) == 0
+    published = nbformat.read(tmp_path / "output" / "render-executed" / source.name, as_version=4)
+    assert published.metadata["papermill"]["parameters"]["tag"] == "another"   # the other run did replace it
+    copy = nbformat.read(out / source.name, as_version=4)
+    assert copy.metadata[render.METADATA_KEY]["parameters"]["tag"] == "mine"
+    assert [o.text for o in copy.cells[3].outputs] == ["run mine\n"]
+
+
+def _official(tmp_path, monkeypatch, names):
+    """A README whose lesson table lists ``names``, the official rendered folder and passing GPU runs of those
+    lessons (``render --from``), all below ``tmp_path``; returns (README, lessons, executed folder)."""
+    monkeypatch.setattr(render, "RENDERED_DIR", tmp_path / "docs" / "rendered")
+    monkeypatch.setattr(render, "README", tmp_path / "README.md")
+    monkeypatch.setattr(render, "README_LOCK", tmp_path / "output" / ".README.md.lock")
+    rows = "".join(f"| [{n[:2]}](notebooks/{n}) | x |\n" for n in names)
+    render.README.write_text(f"# t\n\n| lesson | what |\n|---|---|\n{rows}\nend\n", encoding="utf-8")
+    for name in names:
+        source = _lesson(tmp_path, name)
+        executed = _executed(source, tmp_path)
+        nb = nbformat.read(executed, as_version=4)
+        nb.metadata["papermill"]["parameters"]["device"] = "cuda"
+        nbformat.write(nb, executed)
+    return render.README, tmp_path / "notebooks", tmp_path / "executed"
+
+
+def test_renders_of_two_lessons_at_once_both_land_in_the_readme(tmp_path, monkeypatch):
+    """Each render lists the rendered copies, then rewrites README.md's links from that list. Render B, ending
+    while render A is between its listing and its write, must not lose its link to A's stale list."""
+    import fcntl
+    import threading
+
+    readme, lessons, executed = _official(tmp_path, monkeypatch, ["00_a.ipynb", "01_b.ipynb"])
+    b_over_or_waiting = threading.Condition()
+    state = {"b_waits": False, "b_over": False}
+    results = {}
+
+    def render_b():
+        try:
+            results["b"] = render._main([str(lessons / "01_b.ipynb"), "--from", str(executed)])
+        finally:
+            with b_over_or_waiting:
+                state["b_over"] = True
+                b_over_or_waiting.notify_all()
+
+    a, b = threading.current_thread(), threading.Thread(target=render_b)
+    real_flock, real_copies = fcntl.flock, render.rendered_copies
+
+    def flock(fd, op):   # B, finding the README taken, says so before it waits
+        if threading.current_thread() is b and op == fcntl.LOCK_EX:
+            try:
+                return real_flock(fd, op | fcntl.LOCK_NB)
+            except BlockingIOError:
+                with b_over_or_waiting:
+                    state["b_waits"] = True
+                    b_over_or_waiting.notify_all()
+        return real_flock(fd, op)
+
+    def copies_then_b(*args, **kwargs):   # A lists the copies (01_b's not there yet), then B runs
+        listed = real_copies(*args, **kwargs)
+        if threading.current_thread() is a and not b.is_alive() and "b" not in results:
+            b.start()
+            with b_over_or_waiting:
+                assert b_over_or_waiting.wait_for(lambda: state["b_waits"] or state["b_over"], timeout=120)
+        return listed
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    monkeypatch.setattr(render, "rendered_copies", copies_then_b)
+    try:
+        assert render._main([str(lessons / "00_a.ipynb"), "--from", str(executed)]) == 0
+    finally:
+        b.join(timeout=120)
+    assert results["b"] == 0 and not b.is_alive()
+    text = readme.read_text(encoding="utf-8")
+    assert "[00](notebooks/00_a.ipynb) · [rendered](docs/rendered/00_a.ipynb) |" in text
+    assert "[01](notebooks/01_b.ipynb) · [rendered](docs/rendered/01_b.ipynb) |" in text, text
+    assert not list(tmp_path.glob(".README.md.*.tmp"))
+
+
+def test_no_readme_leaves_the_readme_alone(tmp_path, monkeypatch):
+    readme, lessons, executed = _official(tmp_path, monkeypatch, ["00_a.ipynb"])
+    before = readme.read_bytes()
+    assert render._main([str(lessons / "00_a.ipynb"), "--from", str(executed), "--no-readme"]) == 0
+    assert (render.RENDERED_DIR / "00_a.ipynb").exists() and readme.read_bytes() == before
+    assert render._main([str(lessons / "00_a.ipynb"), "--from", str(executed)]) == 0
+    assert "· [rendered](docs/rendered/00_a.ipynb) |" in readme.read_text(encoding="utf-8")

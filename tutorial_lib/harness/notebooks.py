@@ -19,8 +19,10 @@ On CPU ``TRITON_INTERPRET=1`` is set for the kernel so Triton kernels run in the
 Runs sharing an output folder (two terminals, pytest-xdist workers, ``render``) don't mix their results: papermill
 writes into a private file that replaces ``out_dir/<lesson>`` whole once the run is over, and a run of a lesson
 holds ``out_dir/.<lesson>.lock`` meanwhile -- a second run of the same lesson into the same folder stops at once,
-naming the first one's pid (the lock goes with its process: a killed run leaves none that counts). Every run
-also records which benchmark results it read (:mod:`tutorial_lib.harness.lesson_inputs`).
+naming the first one's pid (the lock goes with its process: a killed run leaves none that counts). Once the run is
+over, a later one may replace ``out_dir/<lesson>``: what the run made is also handed back in memory
+(``LessonRun.notebook``, ``LessonFailed.notebook``), and the HTML pages and rendered copies are made from that.
+Every run also records which benchmark results it read (:mod:`tutorial_lib.harness.lesson_inputs`).
 """
 
 from __future__ import annotations
@@ -62,14 +64,17 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 class LessonFailed(AssertionError):
     """A lesson raised, timed out, or did not run its code and self-checks; ``executed``: the run's executed
-    notebook when it got that far (None before papermill ran, e.g. when another run holds the lesson)."""
+    notebook when it got that far (None before papermill ran, e.g. when another run holds the lesson), and
+    ``notebook`` its content as this run wrote it (a later run may since have replaced the file)."""
 
     executed: Path | None = None
+    notebook: nbformat.NotebookNode | None = None
 
 
 @dataclass
 class LessonRun:
-    """The outcome of one executed lesson."""
+    """The outcome of one executed lesson; ``notebook``: the executed notebook as this run wrote it to ``executed``
+    (read this, not the file: once the run is over, another run of the lesson may replace the file)."""
 
     source: Path
     executed: Path
@@ -78,6 +83,7 @@ class LessonRun:
     checks_passed: int
     parameters: dict = field(default_factory=dict)
     exercises: int = 0  # exercises run with their solution, each check also shown to reject a wrong answer
+    notebook: nbformat.NotebookNode | None = field(default=None, repr=False)
 
 
 def lessons(directory: Path = NOTEBOOK_DIR) -> list[Path]:
@@ -259,6 +265,7 @@ def run_lesson(
         except Exception as exc:  # papermill's cell errors, nbclient's timeouts, dead kernels
             failed = LessonFailed(f"{path.name} failed ({params}):\n{_describe_failure(exc)}")
             if running.stat().st_size:  # papermill wrote the run up to its failing cell
+                failed.notebook = nbformat.read(running, as_version=4)
                 os.replace(running, executed)
                 failed.executed = executed
             raise failed from None
@@ -275,9 +282,9 @@ def run_lesson(
             raise_if_unchecked(done)
     except (LessonFailed, SelfCheckError) as exc:
         failed = LessonFailed(f"{path.name}: {exc}")
-        failed.executed = executed
+        failed.executed, failed.notebook = executed, done
         raise failed from None
-    return LessonRun(path, executed, seconds, cells, checks, params, n_exercises)
+    return LessonRun(path, executed, seconds, cells, checks, params, n_exercises, done)
 
 
 @contextmanager
@@ -337,15 +344,16 @@ def _kernel_environment(device: str, inputs_log: Path):
                 os.environ[key] = value
 
 
-def render_html(executed: list[Path], html_dir: Path) -> Path:
-    """Render executed notebooks to HTML next to an index page; return the index path."""
+def render_html(executed: list[tuple[Path, nbformat.NotebookNode]], html_dir: Path) -> Path:
+    """Render executed notebooks -- ``(path, notebook)`` pairs: where a run wrote each, and what it wrote there
+    (``LessonRun.notebook``) -- to HTML next to an index page; return the index path."""
     from nbconvert import HTMLExporter
 
     html_dir.mkdir(parents=True, exist_ok=True)
     exporter = HTMLExporter()
     links = []
-    for nb_path in executed:
-        body, _ = exporter.from_filename(str(nb_path))
+    for nb_path, nb in executed:
+        body, _ = exporter.from_notebook_node(nb, {"metadata": {"name": nb_path.stem, "path": str(nb_path.parent)}})
         target = html_dir / (nb_path.stem + ".html")
         write_atomically(target, body)
         links.append(f'<li><a href="{html.escape(target.name)}">{html.escape(nb_path.stem)}</a></li>')
@@ -459,9 +467,10 @@ def _main(argv: list[str] | None = None) -> int:
         except LessonFailed as exc:
             failures.append(p.name)
             print(f"FAIL {p.name}\n{exc}", file=sys.stderr, flush=True)
-            executed.append(exc.executed) if exc.executed is not None else None  # this run's, never another's
+            if exc.notebook is not None:  # this run's, never another's that has replaced the file since
+                executed.append((exc.executed, exc.notebook))
             continue
-        executed.append(r.executed)
+        executed.append((r.executed, r.notebook))
         print(f"ok   {p.name}  {r.seconds:6.1f} s  {r.code_cells} cells  {r.checks_passed} checks  "
               f"{r.exercises} exercises  {r.parameters}", flush=True)
     print(f"executed notebooks: {(args.out / 'executed').resolve()}")

@@ -16,7 +16,8 @@ cleaned up for reading::
                                                                                    provenance in metadata
 
 The README's lesson table links each lesson that has a rendered copy (``readme_with_links``; the
-command updates it). A rendered copy whose cells no longer match its lesson is stale:
+command updates it with ``update_readme_links``, one render at a time). A rendered copy whose cells no
+longer match its lesson is stale:
 ``stale_cells`` names the first differences, and ``tests/harness/test_render.py`` fails on it. So does a copy
 that shows library code (``harness.source.show_source``) its file no longer contains (``shown_code_gone``), and
 one whose run read benchmark results that changed, went or were joined by new ones since
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import copy
 import datetime
 import io
 import os
@@ -38,6 +40,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
+
+try:
+    import fcntl
+except ImportError:  # Windows: renders updating README.md at once are not serialised
+    fcntl = None
 
 from tutorial_lib.harness.code_version import code_version
 from tutorial_lib.harness.exercises import EXERCISE_PROBE_TAG
@@ -58,6 +65,7 @@ from tutorial_lib.harness.progress import note, progress
 
 RENDERED_DIR = REPO_ROOT / "docs" / "rendered"
 README = REPO_ROOT / "README.md"
+README_LOCK = DEFAULT_OUT / ".README.md.lock"  # held by a render while it updates README.md's links
 REGENERATE = "python -m tutorial_lib.harness.render --device cuda --world-size 2 --full"
 MAX_BYTES = 2_000_000  # per rendered notebook
 MAX_IMAGE_WIDTH = 2000  # pixels; wider PNGs (a high-DPI figure) are scaled down
@@ -273,14 +281,17 @@ def provenance(parameters: dict) -> dict:
 
 
 def render_notebook(executed: Path, source: Path, target: Path, meta: dict | None = None,
-                    require_device: str | None = None) -> RenderedLesson:
+                    require_device: str | None = None, notebook=None) -> RenderedLesson:
     """Write the rendered copy of ``source`` (a lesson) made from ``executed`` (its papermill run) to ``target``.
+
+    ``notebook``: the run's notebook itself, when the caller holds it (``LessonRun.notebook``; left as it is):
+    made from that, not from the file, which another run of the lesson may have replaced since.
 
     Raises :class:`RenderError` if the run did not pass (:func:`verify_executed`), does not match the
     lesson's cells, ran with another ``device`` parameter than ``require_device`` (when given), or the
     copy exceeds MAX_BYTES.
     """
-    nb = nbformat.read(executed, as_version=4)
+    nb = copy.deepcopy(notebook) if notebook is not None else nbformat.read(executed, as_version=4)
     try:
         verify_executed(nb)
     except LessonFailed as exc:
@@ -367,6 +378,24 @@ def readme_with_links(text: str, rendered: list[str], prefix: str = "docs/render
     return "\n".join(out)
 
 
+def update_readme_links(directory: Path = RENDERED_DIR, readme: Path | None = None,
+                        lock: Path | None = None) -> list[str]:
+    """Rewrite ``readme``'s links (:func:`readme_with_links`) to the rendered copies now in ``directory``; return
+    their names. Renders of other lessons finishing at the same time each update it in turn, holding ``lock``
+    from listing the copies to replacing the file whole, so none loses another's link."""
+    readme, lock = readme or README, lock or README_LOCK
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # waits for the render updating it now; released by os.close
+        names = [p.name for p in rendered_copies(directory)]
+        write_atomically(readme, readme_with_links(readme.read_text(encoding="utf-8"), names))
+    finally:
+        os.close(fd)
+    return names
+
+
 def _main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tutorial_lib.harness.render", description=__doc__.split("\n")[0])
     parser.add_argument("paths", nargs="*", type=Path, help="lessons to render (default: all in notebooks/)")
@@ -403,16 +432,17 @@ def _main(argv: list[str] | None = None) -> int:
     for source in bar:
         try:
             if args.from_dir is not None:
-                executed = args.from_dir / source.name
+                executed, notebook = args.from_dir / source.name, None
                 if not executed.exists():
                     raise RenderError(f"no executed {source.name} in {args.from_dir}")
             else:
-                executed = run_lesson(source, DEFAULT_OUT / "render-executed", device=args.device,
-                                      world_size=args.world_size, quick=args.quick,
-                                      cell_timeout=args.cell_timeout,
-                                      solve_exercises=False).executed  # as a reader first sees them
+                run = run_lesson(source, DEFAULT_OUT / "render-executed", device=args.device,
+                                 world_size=args.world_size, quick=args.quick, cell_timeout=args.cell_timeout,
+                                 solve_exercises=False)  # as a reader first sees them
+                executed, notebook = run.executed, run.notebook  # this run's, even if another replaced the file
             official = args.out.resolve() == RENDERED_DIR.resolve()  # the README calls them GPU runs
-            r = render_notebook(executed, source, args.out / source.name, require_device="cuda" if official else None)
+            r = render_notebook(executed, source, args.out / source.name, require_device="cuda" if official else None,
+                                notebook=notebook)
         except (LessonFailed, RenderError) as exc:
             failures.append(source.name)
             note(bar, f"FAIL {source.name}\n{exc}", file=sys.stderr)
@@ -420,8 +450,7 @@ def _main(argv: list[str] | None = None) -> int:
         note(bar, f"ok   {source.name}  {r.bytes / 1e3:7.1f} kB  {r.images} images ({r.images_scaled} scaled)"
                   f"  {r.lines_cut} lines cut")
     if not args.no_readme and args.out.resolve() == RENDERED_DIR.resolve():
-        names = [p.name for p in rendered_copies(args.out)]
-        README.write_text(readme_with_links(README.read_text(encoding="utf-8"), names), encoding="utf-8")
+        names = update_readme_links(args.out)
         print(f"README.md links {len(names)} rendered copies")
     print(f"{len(paths) - len(failures)} rendered, {len(failures)} failed -> {args.out}")
     return 1 if failures else 0
