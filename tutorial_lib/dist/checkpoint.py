@@ -203,15 +203,17 @@ def save_checkpoint(state_dict: dict, path: str | os.PathLike, *, mode: str = "s
     reading the checkpoint or removing its directory.
 
     An async save runs ALL of DCP's save collectives (plan gather/scatter, the final metadata
-    gather) from a background thread while the caller goes on with its own collectives. Two threads
-    issuing collectives on ONE group pair them up in whatever order each rank happened to enqueue
-    them: a hang or wrong data. So with ``process_group`` None (or the default group) the save runs
-    on a gloo group of all ranks that only async saves use (the staged copy is on the CPU), made
-    once per default group by the first async save -- a collective: every rank makes its first async
-    save at the same point of its program, as it makes every save. A ``process_group`` you pass is
-    used as it is: keep any other collective off it until the future is done (e.g. pass a group made
-    for checkpoints: ``dist.new_group(backend="gloo")``). Every save and load of this module first
-    waits for this process's earlier async saves, so two saves never overlap on one group.
+    gather: object collectives, on the group's CPU backend) from a background thread while the caller
+    goes on with its own collectives. Two threads issuing collectives on one backend of ONE group pair
+    them up in whatever order each rank happened to enqueue them: a hang or wrong data (on gloo-only
+    CPU ranks every collective of the caller; on GPU ranks its object and CPU-tensor collectives). So
+    with ``process_group`` None (or the default group) the save runs on a gloo group of all ranks that
+    only async saves use (DCP needs a CPU backend for its object collectives), made once per default
+    group by the first async save -- a collective: every rank makes its first async save at the same
+    point of its program, as it makes every save. A ``process_group`` you pass is used as it is: keep
+    any other collective off it until the future is done (e.g. pass a group made for checkpoints:
+    ``dist.new_group(backend="gloo")``). Every save and load of this module first waits for this
+    process's earlier async saves, so two saves never overlap on one group.
     """
     path = os.fspath(path)
     if mode not in ("sync", "async"):
