@@ -285,10 +285,8 @@ class _RankZeroLog:
 
     def finish(self, event: str, **fields) -> None:
         """The run's last record, then the run's one comparison of the ranks' writes since the last log point."""
-        with every_rank_or_none(f"writing the metrics log {self.log.path}"):
-            if self.error is not None:
-                raise self.error
-            self.log.write(event, **fields)
+        self.write(event, **fields)
+        self.raise_on_every_rank()
 
 
 def _agreed_resume_path(cfg: TrainConfig) -> str | None:
