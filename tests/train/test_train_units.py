@@ -210,7 +210,7 @@ def test_a_resume_drops_the_metrics_it_writes_again(tmp_path):
     log.begin(2, format="bf16")
     assert [(r["event"], r.get("step"), r.get("start_step")) for r in read_metrics(path)] == [
         ("start", None, 0), ("train", 1, None), ("train", 2, None), ("checkpoint", 2, None), ("start", None, 2)]
-    assert not os.path.exists(f"{path}.tmp")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.jsonl"]   # no private file left behind
 
 
 def test_a_fresh_run_starts_a_new_metrics_file(tmp_path):

@@ -32,7 +32,6 @@ import ast
 import html
 import os
 import re
-import secrets
 import socket
 import sys
 import time
@@ -50,6 +49,7 @@ except ImportError:  # Windows: runs sharing an output folder are not guarded ag
 from tutorial_lib.harness.checks import PASS_MARK, SelfCheckError
 from tutorial_lib.harness.code_version import REPO_ROOT
 from tutorial_lib.harness.exercises import ExerciseError, raise_if_unchecked, with_solutions
+from tutorial_lib.harness.files import fresh_file, write_atomically
 from tutorial_lib.harness.lesson_inputs import ENV_VAR as INPUTS_ENV
 from tutorial_lib.harness.lesson_inputs import METADATA_KEY as INPUTS_KEY
 from tutorial_lib.harness.lesson_inputs import collect
@@ -317,7 +317,7 @@ def _private_files(out_dir: Path, stem: str):
     paths = []
     try:
         for suffix in (".prepared.ipynb", ".running.ipynb", ".inputs.log"):
-            paths.append(_fresh_file(out_dir, f".{stem}.", suffix))
+            paths.append(fresh_file(out_dir, f".{stem}.", suffix))
         yield paths
     finally:
         for p in paths:
@@ -361,30 +361,6 @@ def render_html(executed: list[tuple[Path, nbformat.NotebookNode]], html_dir: Pa
     write_atomically(index, "<!doctype html><title>Lessons</title><h1>Executed lessons</h1><ul>" + "".join(links)
                      + "</ul>")
     return index
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` (UTF-8) to ``path`` through a private file renamed over it: a reader, or another run writing
-    the same file, sees the old content or the new, never a mix."""
-    tmp = _fresh_file(path.parent, f".{path.name}.", ".tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _fresh_file(directory: Path, prefix: str, suffix: str) -> Path:
-    """A new empty file with a name no other run has, created with the usual permissions (umask), unlike mkstemp's
-    0600: the executed notebooks and HTML pages are made from these."""
-    while True:
-        path = Path(directory) / f"{prefix}{os.getpid()}-{secrets.token_hex(4)}{suffix}"
-        try:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-            return path
-        except FileExistsError:
-            continue
 
 
 _RUN_METADATA = ("papermill", "widgets", INPUTS_KEY)  # a run's residue: papermill's timings and paths, saved

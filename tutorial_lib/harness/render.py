@@ -48,6 +48,7 @@ except ImportError:  # Windows: renders updating README.md at once are not seria
 
 from tutorial_lib.harness.code_version import code_version
 from tutorial_lib.harness.exercises import EXERCISE_PROBE_TAG
+from tutorial_lib.harness.files import write_atomically
 from tutorial_lib.harness.lesson_inputs import METADATA_KEY as INPUTS_KEY
 from tutorial_lib.harness.lesson_inputs import changed_inputs
 from tutorial_lib.harness.notebooks import (
@@ -58,7 +59,6 @@ from tutorial_lib.harness.notebooks import (
     lessons,
     run_lesson,
     verify_executed,
-    write_atomically,
 )
 from tutorial_lib.harness.progress import ENV_VAR as PROGRESS_ENV_VAR
 from tutorial_lib.harness.progress import note, progress

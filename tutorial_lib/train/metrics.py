@@ -34,8 +34,11 @@ import json
 import math
 import os
 import resource
+from pathlib import Path
 
 import torch
+
+from tutorial_lib.harness.files import write_atomically
 
 __all__ = ["MetricsLog", "memory_kind", "peak_memory_bytes", "read_metrics", "state_digest"]
 
@@ -60,7 +63,7 @@ class MetricsLog:
         """Write the "start" record of a run that begins after ``start_step`` steps. A fresh run
         (``start_step`` 0) starts a new file: the records of an earlier run into the same place are gone. A
         resume first drops the records it writes again: every step after ``start_step`` (logged before a
-        crash) and the "end" record; the file is replaced in one ``os.replace`` (never half rewritten)."""
+        crash) and the "end" record; the file is replaced in one rename (never half rewritten)."""
         if self.enabled and start_step == 0 and os.path.exists(self.path):
             os.remove(self.path)  # a fresh run, as its run.json: one run per file
         if self.enabled and start_step > 0 and os.path.exists(self.path):
@@ -68,10 +71,7 @@ class MetricsLog:
                 lines = [line for line in fh if line.strip()]
             keep = [line.rstrip("\n") + "\n" for line in lines if _kept(line, start_step)]
             if keep != lines:
-                tmp = f"{self.path}.tmp"
-                with open(tmp, "w") as fh:
-                    fh.writelines(keep)
-                os.replace(tmp, self.path)
+                write_atomically(Path(self.path), "".join(keep))
         return self.write("start", start_step=start_step, **fields)
 
 
