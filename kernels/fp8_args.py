@@ -10,7 +10,7 @@ Example::
     from tutorial_kernels.fp8_args import CastResult, check_input, check_scale_arg
     x = torch.randn(4, 8, dtype=torch.bfloat16)
     check_input(x, "e4m3")                 # TypeError for int/fp8 input, ValueError for "e2m1"
-    s = check_scale_arg(16.0, x.device)    # a 0-d fp32 tensor; ValueError for 0, inf, NaN
+    s = check_scale_arg(16.0, x.device, "e4m3")  # a 0-d fp32 tensor; ValueError for 0, inf, NaN, 1e-37
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 __all__ = [
     "FP8_FORMATS", "FP8_MAX", "SUPPORTED_DTYPES", "CastResult", "check_amax_eps", "check_dequantize_args",
-    "check_input", "check_scale_arg",
+    "check_input", "check_scale_arg", "decodes_finite",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -66,8 +66,10 @@ def check_amax_eps(amax_eps: float, fmt: str) -> None:
         )
 
 
-def check_scale_arg(scale, device) -> torch.Tensor:
-    """A Python scale is checked (finite, > 0); a tensor scale must be a single fp32 value. Returns a 0-d tensor."""
+def check_scale_arg(scale, device, fmt: str | None = None) -> torch.Tensor:
+    """A Python scale is checked (finite, > 0 as an fp32; with ``fmt``, not so small that ``scale_inv = 1 / scale``
+    decodes the format's largest code to inf); a tensor scale must be a single fp32 value, its value unchecked
+    (that would read it back to the host). Returns a 0-d tensor on ``device``."""
     if isinstance(scale, torch.Tensor):
         if scale.dtype != torch.float32 or scale.numel() != 1:
             raise TypeError(f"scale must be a single float32 value, got {scale.dtype} of shape {tuple(scale.shape)}")
@@ -75,10 +77,20 @@ def check_scale_arg(scale, device) -> torch.Tensor:
     scale = float(scale)
     if not (scale > 0 and scale < float("inf")):
         raise ValueError(f"scale must be finite and > 0, got {scale!r}")
-    t = torch.tensor(scale, dtype=torch.float32, device=device)
+    t = torch.tensor(scale, dtype=torch.float32)  # checked on the CPU: no device read-back
     if not torch.isfinite(t) or t == 0:
         raise ValueError(f"scale {scale!r} is not a finite, nonzero fp32")
-    return t
+    if fmt is not None and not decodes_finite(t, fmt):
+        raise ValueError(f"scale {scale!r} is too small for {fmt}: its scale_inv = 1 / scale decodes the largest "
+                         f"{fmt} code ({FP8_MAX[fmt]:g}) past the largest fp32; use a scale >= "
+                         f"{FP8_MAX[fmt] / _FP32_MAX:.4g}")
+    return t.to(device)
+
+
+def decodes_finite(scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Whether ``max * (1 / scale)``, in fp32 as a dequantize computes it, is finite: a scale below about
+    ``max / 3.4e38`` (E4M3 ~1.3e-36, E5M2 ~1.7e-34) turns the largest codes into inf. A bool tensor."""
+    return torch.isfinite(scale.float().reciprocal() * FP8_MAX[fmt])
 
 
 def check_dequantize_args(data: torch.Tensor, fmt: str, dtype: torch.dtype) -> None:

@@ -427,7 +427,7 @@ def cast_delayed_scaling(x: torch.Tensor, scale, fmt: str = "e4m3", *, out: torc
                          block: int | None = None, num_warps: int | None = None) -> CastResult:
     """Delayed scaling in one pass: cast with ``scale`` (fp32 tensor or positive float), record amax(x)."""
     _check_kernel_input(x, fmt)
-    s = check_scale_arg(scale, x.device).contiguous()
+    s = check_scale_arg(scale, x.device, fmt).contiguous()
     data = _out_buffer(out, x)
     n = x.numel()
     bits = torch.zeros((), dtype=torch.int32, device=x.device)

@@ -368,6 +368,10 @@ def test_bad_input_errors():
             k.cast_delayed_scaling(x, bad)
     with pytest.raises(TypeError, match="single float32"):
         k.cast_delayed_scaling(x, torch.ones(3, device=DEV))
+    for fmt, bound in (("e4m3", 448 / 3.4028234663852886e38), ("e5m2", 57344 / 3.4028234663852886e38)):
+        with pytest.raises(ValueError, match=f"too small for {fmt}"):  # 1 / scale would decode the top code to inf
+            k.cast_delayed_scaling(x, bound / 2, fmt)
+        k.cast_delayed_scaling(x, bound * 2, fmt)
     with pytest.raises(ValueError, match="out must be a contiguous uint8"):
         k.cast_current_scaling(x, out=torch.empty(16, 16, dtype=torch.int8, device=DEV))
     with pytest.raises(ValueError, match="power of two"):

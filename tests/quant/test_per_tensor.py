@@ -378,6 +378,30 @@ def test_every_scale_of_a_top_binade_amax_decodes_the_largest_code_finite(fmt):
 
 
 @pytest.mark.parametrize("fmt", FP8)
+def test_a_given_scale_too_small_to_decode_the_largest_code_is_refused(fmt):
+    """A chosen scale below fmax / fp32 max makes ``1 / scale`` decode the largest code to inf: every function
+    that takes a Python scale, and Float8Tensor (which reads its scale), refuses it; the smallest fp32 scale that
+    decodes finite is accepted and round-trips the largest code finite."""
+    fmax = FORMATS[fmt].max
+    s_min = torch.tensor(fmax / _FP32_MAX, dtype=torch.float32)   # fp32 rounding of the bound
+    while torch.isfinite(fmax * torch.nextafter(s_min, torch.tensor(0.0)).reciprocal()):  # step to the edge
+        s_min = torch.nextafter(s_min, torch.tensor(0.0))
+    while not torch.isfinite(fmax * s_min.reciprocal()):
+        s_min = torch.nextafter(s_min, torch.tensor(1.0))
+    too_small = torch.nextafter(s_min, torch.tensor(0.0))
+    x = torch.randn(32, dtype=torch.float32) * fmax / 2 / s_min  # |x * s_min| up to ~fmax: codes near the top
+    for call in (lambda s: quantize_per_tensor(x, s, fmt), lambda s: cast_delayed_scaling(x, s, fmt),
+                 lambda s: fake_quantize_per_tensor(x, s, fmt),
+                 lambda s: Float8Tensor.from_high_precision(x, torch.tensor(s), fmt)):
+        with pytest.raises(ValueError, match=f"too small for {fmt}"):
+            call(too_small.item())
+        call(s_min.item())
+    data = quantize_per_tensor(torch.tensor([_FP32_MAX, -_FP32_MAX]), s_min.item(), fmt)
+    decoded = dequantize_per_tensor(data, s_min.reciprocal(), fmt)
+    assert torch.isfinite(decoded).all() and decoded[0] == fmax * s_min.reciprocal()  # fp32, as dequantize
+
+
+@pytest.mark.parametrize("fmt", FP8)
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_values_near_float32_max_round_trip_finite(fmt, pow2, dtype):

@@ -56,6 +56,7 @@ from tutorial_kernels.fp8_args import (
     check_dequantize_args,
     check_input,
     check_scale_arg,
+    decodes_finite,
 )
 
 from tutorial_lib.quant.formats import get_format
@@ -63,7 +64,7 @@ from tutorial_lib.quant.formats import get_format
 __all__ = [
     "SUPPORTED_DTYPES", "FP8_FORMATS", "CastResult", "amax", "scale_from_amax", "quantize_per_tensor",
     "dequantize_per_tensor", "cast_current_scaling", "cast_current_scaling_with_transpose", "cast_delayed_scaling",
-    "check_input", "check_scale_arg",
+    "check_input", "check_scale_arg", "decodes_finite",
     "check_amax_eps", "check_dequantize_args", "all_reduce_amax", "fake_quantize_per_tensor", "round_saturating",
 ]
 
@@ -126,13 +127,13 @@ def quantize_per_tensor(x: torch.Tensor, scale, fmt: str = "e4m3") -> torch.Tens
     """FP8 bytes (uint8, same shape, contiguous) of ``x * scale``: saturating RNE cast.
 
     The product is formed in fp32 (``x.float() * scale``), then clamped to +-max (so inf
-    saturates and NaN stays NaN) and cast with torch's RNE cast. A Python ``scale`` must be finite
-    and > 0 (else ValueError); a tensor ``scale`` is used as it is -- checking its value would read
-    it back to the host. A 0 gives zero codes and an infinite ``scale_inv`` (``scale_from_amax`` never
-    returns one)."""
+    saturates and NaN stays NaN) and cast with torch's RNE cast. A Python ``scale`` must be finite,
+    > 0 and large enough that ``1 / scale`` decodes the largest code finite (else ValueError); a
+    tensor ``scale`` is used as it is -- checking its value would read it back to the host. A 0
+    gives zero codes and an infinite ``scale_inv`` (``scale_from_amax`` never returns one)."""
     check_input(x, fmt)
     spec = get_format(fmt)
-    s = check_scale_arg(scale, x.device)
+    s = check_scale_arg(scale, x.device, fmt)
     y = x.float() * s
     return y.clamp(-spec.max, spec.max).to(spec.torch_dtype).view(torch.uint8).contiguous()
 
@@ -198,7 +199,7 @@ def cast_current_scaling_with_transpose(
 def cast_delayed_scaling(x: torch.Tensor, scale, fmt: str = "e4m3", *, out: torch.Tensor | None = None) -> CastResult:
     """Delayed scaling: cast with a given ``scale`` and record ``amax(x)`` for later steps."""
     check_input(x, fmt)
-    s = check_scale_arg(scale, x.device)
+    s = check_scale_arg(scale, x.device, fmt)
     return CastResult(_into(out, quantize_per_tensor(x, s, fmt)), s, s.reciprocal(), amax(x))
 
 
@@ -224,5 +225,5 @@ def all_reduce_amax(a: torch.Tensor, group=None) -> None:
 
 def fake_quantize_per_tensor(x: torch.Tensor, scale, fmt: str = "e4m3") -> torch.Tensor:
     """The fp32 values ``x`` turns into after an FP8 round trip with ``scale`` (quantize, dequantize)."""
-    s = check_scale_arg(scale, x.device)
+    s = check_scale_arg(scale, x.device, fmt)
     return dequantize_per_tensor(quantize_per_tensor(x, s, fmt), s.reciprocal(), fmt)
