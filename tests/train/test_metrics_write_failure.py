@@ -49,7 +49,8 @@ def _rank_0_cannot_write(cfg: TrainConfig, event: str, step: int) -> tuple[str, 
     try:
         loop.train_model(cfg)
     except Exception as exc:  # noqa: BLE001 - the outcome is the result
-        return type(exc).__name__, str(exc), len(ran)
+        cause = "" if exc.__cause__ is None else f" (caused by {type(exc.__cause__).__name__}: {exc.__cause__})"
+        return type(exc).__name__, str(exc) + cause, len(ran)
     return "ok", "", len(ran)
 
 
@@ -79,6 +80,20 @@ def test_a_metrics_record_rank_0_cannot_write_stops_every_rank_with_its_error(tm
     assert (ran0, ran1) == (stop_step, stop_step), per_rank  # both stopped at the first point they compare
     records = [(r["event"], r.get("step")) for r in read_metrics(tmp_path / "metrics.jsonl")]
     assert records == [("start", None), *written], records  # and nothing after the record that failed
+
+
+def test_a_simulated_crash_before_the_next_log_point_carries_the_kept_write_error(tmp_path):
+    """The crash comes before the ranks compare: every rank stops with it, as planned, and rank 0's crash names
+    the metrics write that failed (its cause), rather than losing it."""
+    cfg = _cfg(tmp_path, eval_every=100, ckpt_every=2, crash_after=4)
+    per_rank = launch(_rank_0_cannot_write, world_size=2, device="cpu", args=(cfg, "checkpoint", 4),
+                      timeout=300, collective_timeout=20)
+    (c0, m0, ran0), (c1, m1, ran1) = per_rank
+    assert (c0, c1, ran0, ran1) == ("SimulatedCrash", "SimulatedCrash", 4, 4), per_rank
+    assert "caused by OSError" in m0 and DISK_FULL in m0, m0
+    assert "caused by" not in m1, m1
+    records = [(r["event"], r.get("step")) for r in read_metrics(tmp_path / "metrics.jsonl")]
+    assert records == [("start", None), ("checkpoint", 2), ("train", 3)], records
 
 
 def test_a_run_whose_records_are_all_written_ends_alike_on_every_rank(tmp_path):

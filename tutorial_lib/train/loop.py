@@ -390,7 +390,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
             restart = True
         if cfg.crash_after is not None and done == cfg.crash_after:
             bar.close()
-            raise SimulatedCrash(f"simulated crash after step {done}")
+            # a failed metrics write kept since the last log point goes with it (rank 0's traceback shows it)
+            raise SimulatedCrash(f"simulated crash after step {done}") from records.error
         if restart:  # each rate covers its own interval; evaluation and checkpoint time is not training time
             _sync(dev)
             t0, n_timed = time.perf_counter(), 0
