@@ -41,3 +41,26 @@ def test_runs_of_another_size_are_not_pooled(tmp_path):
     row = next(line for line in results_markdown(tmp_path).splitlines() if line.startswith("| kern "))
     cells = [cell.strip() for cell in row.split("|")[1:-1]]
     assert cells[2] == "1.000" and cells[6] == "1"
+
+
+def test_the_command_checks_without_writing_and_then_updates(tmp_path, capsys):
+    """``--check`` changes nothing and exits 1 on a stale table; without it the table is rewritten, after which the
+    check passes; an unknown option is refused (argparse, exit 2) and the README is left as it was."""
+    import pytest
+
+    from tutorial_lib.harness.bench_report import README_END, README_START, main
+
+    results = tmp_path / "results"
+    results.mkdir()
+    _row(results, case("cast", 1.0, peers={"peer": 2.0}, nbytes=1 << 20, copy_GBps=100.0))
+    readme = tmp_path / "README.md"
+    stale = f"# t\n{README_START}\n| old |\n{README_END}\nafter\n"
+    readme.write_text(stale)
+    paths = ["--readme", str(readme), "--results", str(results)]
+    assert main(["--check", *paths]) == 1 and readme.read_text() == stale
+    with pytest.raises(SystemExit) as exc:
+        main(["--bogus", *paths])
+    assert exc.value.code == 2 and readme.read_text() == stale
+    assert main(paths) == 0 and "| cast " in readme.read_text() and readme.read_text().endswith("after\n")
+    assert main(["--check", *paths]) == 0
+    assert "is current" in capsys.readouterr().out

@@ -109,6 +109,10 @@ def test_val_windows_are_disjoint_and_equal_in_count(data):
     assert torch.equal(torch.stack(parts, 1).reshape(63, 64), data.val[:63, :-1].long())
     with pytest.raises(ValueError, match="rank 2 outside world size 2"):
         data.train_batch(0, 2, 2, 4)
+    n_val = data.val.shape[0]
+    with pytest.raises(ValueError, match=rf"2 ranks need at least 2 validation windows, got 1 \(max_windows=1; "
+                                         rf"the validation split has {n_val}\)"):
+        data.val_windows(0, 2, max_windows=1)   # the count the option allows, not the split's size
 
 
 def test_model_shapes_init_and_parameter_count():

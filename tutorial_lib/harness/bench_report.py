@@ -157,19 +157,45 @@ def _case_label(c: dict) -> str:
     return _cell(label)
 
 
+def readme_with_table(text: str, results_dir: str | Path) -> str:
+    """``text`` (a README) with its generated benchmark table made from ``results_dir``."""
+    start, end = text.index(README_START) + len(README_START), text.index(README_END)
+    return text[:start] + "\n" + results_markdown(results_dir) + "\n" + text[end:]
+
+
 def update_readme(readme: str | Path, results_dir: str | Path) -> bool:
     """Rewrite the README's generated benchmark table; return True if it changed."""
     path = Path(readme)
     text = path.read_text()
-    start, end = text.index(README_START) + len(README_START), text.index(README_END)
-    new = text[:start] + "\n" + results_markdown(results_dir) + "\n" + text[end:]
+    new = readme_with_table(text, results_dir)
     if new != text:
         path.write_text(new)
     return new != text
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tutorial_lib.harness.bench_report [--check]``: rewrite the README's table from
+    ``benchmarks/results/`` (``--check``: change nothing, exit status 1 if the table is stale)."""
+    import argparse
+
     from tutorial_lib.harness.code_version import REPO_ROOT
 
-    changed = update_readme(REPO_ROOT / "README.md", REPO_ROOT / "benchmarks" / "results")
+    parser = argparse.ArgumentParser(prog="python -m tutorial_lib.harness.bench_report",
+                                     description="Regenerate the README's benchmark table from the results files.")
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if the table is stale")
+    parser.add_argument("--readme", type=Path, default=REPO_ROOT / "README.md", help="default: the project's")
+    parser.add_argument("--results", type=Path, default=REPO_ROOT / "benchmarks" / "results",
+                        help="the folder of results JSON files (default: benchmarks/results)")
+    args = parser.parse_args(argv)
+    if args.check:
+        text = args.readme.read_text()
+        current = readme_with_table(text, args.results) == text
+        print("README benchmark table " + ("is current" if current else "is stale: run without --check"))
+        return 0 if current else 1
+    changed = update_readme(args.readme, args.results)
     print("README benchmark table " + ("updated" if changed else "already up to date"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

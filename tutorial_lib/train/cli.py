@@ -11,7 +11,8 @@
 
 Under torchrun the process group comes from the environment torchrun sets (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``); started without it, the script
-is a single process whose process group lives in memory (a ``HashStore``: no socket). Each process
+is a single process whose rendezvous store lives in memory (a ``HashStore``: no store port; gloo still
+listens on one OS-chosen port, see SECURITY.md). Each process
 uses ``cuda:<LOCAL_RANK>`` with ``--device cuda`` (NCCL, plus gloo for CPU tensors), else the CPU
 (gloo; on a machine with a visible GPU, start it with ``TRITON_INTERPRET=1``: the kernels are compiled
 or interpreted from the moment the package is imported). Across nodes ``--out`` must be a directory

@@ -145,7 +145,8 @@ class TextData:
         n = self.val.shape[0] if max_windows is None else min(max_windows, self.val.shape[0])
         n -= n % world_size  # every rank the same count: FSDP2's forward all-gathers are collectives
         if n == 0:
-            raise ValueError(f"{world_size} ranks need at least {world_size} validation windows, got "
-                             f"{self.val.shape[0]} (max_windows={max_windows})")
+            used = self.val.shape[0] if max_windows is None else min(max_windows, self.val.shape[0])
+            raise ValueError(f"{world_size} ranks need at least {world_size} validation windows, got {used} "
+                             f"(max_windows={max_windows}; the validation split has {self.val.shape[0]})")
         w = self.val[rank:n:world_size].long()
         return w[:, :-1].to(device), w[:, 1:].to(device)
