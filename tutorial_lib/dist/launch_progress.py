@@ -1,11 +1,13 @@
-"""What the caller of a launch sees while its ranks run: their output, and a bar of ranks finished.
+"""What the caller of a launch sees while its ranks run -- their output, a bar of ranks finished -- and when one fails.
 
 The launcher (:func:`tutorial_lib.dist.launcher.launch`) polls both every 0.2 s while it waits for
 its ranks:
 
 * :class:`LogTail` re-prints each rank's new output lines, prefixed ``[rank r]`` (in Jupyter a
   child's stdout is not the cell, so the caller prints for it), and keeps each rank's last lines for
-  the error message of a rank that dies without a traceback.
+  the error message of a rank that dies without a traceback of its own. A rank's log holds its whole
+  output, from its first instruction: the launcher starts it under :func:`rank_output_to`, so even
+  a failure while it starts up (running the caller's main script, importing the launcher) is there.
 * :class:`RanksFinished` is a progress bar (:func:`tutorial_lib.harness.progress.progress`) with
   ``total = world_size``, advanced when a rank's result file appears -- a rank writes it as its last
   act, by an atomic rename -- so it reaches ``world_size`` exactly when every rank has a result.
@@ -13,6 +15,9 @@ its ranks:
   executed notebook (papermill) or a pipe nothing for launches shorter than 30 s, then at most one
   line per 30 s; ``TUTORIAL_PROGRESS=off`` silences it. The rank lines are printed through
   :func:`tutorial_lib.harness.progress.note`, so they never tear a text bar on screen.
+
+When a rank fails, :func:`failure_report` writes the message of the launch's ``RankFailed``: the end
+of the traceback of the rank that failed first or, for a rank that died without one, of its output.
 
 Example::
 
@@ -34,13 +39,70 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import sys
+import threading
 from collections.abc import Callable
+
+try:
+    import fcntl
+except ImportError:  # Windows: os.dup's copy is numbered above the open fds and not inherited anyway
+    fcntl = None
 
 from tutorial_lib.harness.progress import note, progress
 
 # ranks finish together, not at a rate: the bar shows the count and the elapsed time, no rate or ETA
 _BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}]"
+
+KEPT_LINES = 60
+"""How many of each rank's last output lines :class:`LogTail` keeps."""
+
+
+_REDIRECT_LOCK = threading.Lock()  # fds 1 and 2 belong to the whole process: one redirection at a time
+
+
+@contextlib.contextmanager
+def rank_output_to(path: str):
+    """Point this process's fds 1 and 2 at ``path`` (appending, created 0600) for the duration.
+
+    A process started inside inherits them as its stdout and stderr from its first instruction; a
+    spawned rank's start-up runs the caller's main script and imports before any launcher code, and
+    its traceback from there would otherwise go to the caller's stderr -- in a notebook, not part of
+    the error the cell shows. Hold it only around starting a process (milliseconds): the caller's own
+    writes to fds 1 and 2 meanwhile land in ``path`` too, and are echoed with that rank's output.
+    Where the caller's fd 1 or 2 is closed, it is closed again afterwards.
+    """
+    with _REDIRECT_LOCK:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # None, or closed: nothing buffered to keep apart
+                stream.flush()
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log = _copy_above_stdio(opened)  # never the number of a closed fd 0, 1 or 2
+        os.close(opened)
+        saved: dict[int, int | None] = {}
+        try:
+            for fd in (1, 2):
+                try:
+                    saved[fd] = _copy_above_stdio(fd)
+                except OSError:  # closed in this process
+                    saved[fd] = None
+                os.dup2(log, fd)
+            yield
+        finally:
+            for fd, copy in saved.items():
+                if copy is None:
+                    os.close(fd)
+                else:
+                    os.dup2(copy, fd)
+                    os.close(copy)
+            os.close(log)
+
+
+def _copy_above_stdio(fd: int) -> int:
+    """A close-on-exec copy of ``fd`` numbered 3 or above (``os.dup`` would refill a closed fd 1 or 2)."""
+    return os.dup(fd) if fcntl is None else fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
 
 
 def _print_line(line: str) -> None:
@@ -50,7 +112,7 @@ def _print_line(line: str) -> None:
 class LogTail:
     """Re-print what the ranks write to ``<tmp>/rank<r>.log``, line by line, prefixed with their rank.
 
-    ``write`` prints one line (default: ``print``); ``last_lines[r]`` holds rank r's last 20 lines
+    ``write`` prints one line (default: ``print``); ``last_lines[r]`` holds rank r's last 60 lines
     (kept with ``echo=False`` too: the launcher quotes them when a rank dies without a traceback).
     """
 
@@ -78,7 +140,7 @@ class LogTail:
             for line in lines:
                 if final and not line:
                     continue
-                self.last_lines[rank] = (self.last_lines[rank] + [line])[-20:]
+                self.last_lines[rank] = (self.last_lines[rank] + [line])[-KEPT_LINES:]
                 if self.echo:
                     self.write(f"[rank {rank}] {line}")
 
@@ -114,3 +176,59 @@ class RanksFinished:
     def close(self) -> None:
         """Close the bar where it stands: ``world_size`` after a success, fewer after a failure."""
         self.bar.close()
+
+
+def failure_report(
+    tmp: str, world_size: int, exitcodes: list[int | None], last_lines: list[list[str]], first: int | None = None
+) -> tuple[str, int, str]:
+    """Message, rank and last line for the rank of a launch that failed first.
+
+    ``first`` is the rank torch's join saw exit first; ``exitcodes`` the ranks' exit codes (None: still
+    running); ``last_lines`` the ranks' last output lines (:attr:`LogTail.last_lines`). A rank that raised
+    wrote its traceback to ``tmp/rank{r}.error`` (its time: when it raised); one that died without
+    one -- killed, or failed while starting up, before the launcher's code in it ran -- is described by
+    its exit and its last output, where a start-up traceback is. Either is quoted by its last
+    ``TAIL_LINES`` lines and ``TAIL_CHARS`` characters; ranks that failed afterwards are named too.
+    """
+    errors, raised_at = {}, {}
+    for r in range(world_size):
+        path = os.path.join(tmp, f"rank{r}.error")
+        if os.path.exists(path):
+            with open(path) as fh:
+                errors[r] = fh.read()
+            raised_at[r] = os.stat(path).st_mtime_ns  # set by the rank: when it caught the exception
+    died = {r: code for r, code in enumerate(exitcodes) if code not in (0, None) and r not in errors}
+    if first is None or (first not in errors and first not in died):
+        candidates = sorted(died) or sorted(errors)
+        first = candidates[0] if candidates else -1
+    if first in errors:  # a caller that polled late sees the ranks that failed because of it exit too: the
+        first = min(errors, key=lambda r: (raised_at[r], r))  # first exception is the cause
+    text = ""
+    if first in errors:
+        text = last_part(errors[first])
+        msg = f"rank {first} of {world_size} raised:\n{text}"
+    elif first in died:
+        code = died[first]
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        text = last_part("\n".join(last_lines[first]))
+        msg = (f"rank {first} of {world_size} died with {how} without reaching the launcher's error report; "
+               f"its last output (stdout and stderr since it started):\n{text or '(none)'}")
+    else:
+        msg = f"the launch on {world_size} ranks ended without a result from every rank"
+    others = sorted((set(errors) | set(died)) - {first})
+    if others:
+        msg += f"\n(ranks {others} failed afterwards, most likely waiting on rank {first})"
+    return msg, first, next((line for line in reversed(text.splitlines()) if line.strip()), "")
+
+
+TAIL_LINES, TAIL_CHARS = KEPT_LINES, 4000
+"""How much of a failed rank's traceback or output :func:`failure_report` quotes."""
+
+
+def last_part(text: str) -> str:
+    """The end of a rank's traceback or output: at most ``TAIL_LINES`` lines and ``TAIL_CHARS`` characters."""
+    text = text.rstrip("\n")
+    kept = "\n".join(text.split("\n")[-TAIL_LINES:])[-TAIL_CHARS:]
+    if len(kept) == len(text):
+        return text
+    return f"[... {len(text) - len(kept)} earlier characters left out]\n{kept}"

@@ -12,10 +12,11 @@ How it works::
 
     caller (Jupyter kernel / pytest)                  rank r (spawned by torch.multiprocessing)
     ───────────────────────────────                   ─────────────────────────────────────────
-    tmp = mkdtemp("tutorial-launch-")  # mode 0700    stdout/stderr (fd 1, 2) -> tmp/rank{r}.log (0600)
-    sock = socket bound to 127.0.0.1:0 (OS picks)     TMPDIR = tmp/rank{r}.tmp (0700)
-    store = TCPStore(master_listen_fd=sock)           GLOO_SOCKET_IFNAME = NCCL_SOCKET_IFNAME = lo
-    start_processes(_rank_main, nprocs=world_size) -> init_process_group(store=TCPStore(port),
+    tmp = mkdtemp("tutorial-launch-")  # mode 0700    stdout/stderr (fd 1, 2): tmp/rank{r}.log (0600)
+    sock = socket bound to 127.0.0.1:0 (OS picks)       from its start (the caller's main script, imports)
+    store = TCPStore(master_listen_fd=sock)           TMPDIR = tmp/rank{r}.tmp (0700)
+    per rank, fds 1 and 2 -> tmp/rank{r}.log:         GLOO_SOCKET_IFNAME = NCCL_SOCKET_IFNAME = lo
+      start_processes(_rank_main, nprocs=1)        -> init_process_group(store=TCPStore(port),
     poll: tail logs -> print "[rank r] ..." in cell      timeout=collective_timeout)
           bar of ranks finished (launch_progress)
           ProcessContext.join(): a rank failed?       result = fn(*args, **kwargs)
@@ -40,13 +41,18 @@ Design choices, each for a reason ``tests/dist/test_launcher.py`` exercises:
   overriding the environment (all ranks of a launch share one host).
 * **Private files**: the temp dir is mode 0700 (``mkdtemp``), results and logs 0600; the caller
   unpickles only the results its own ranks wrote there.
-* **Every rank's output goes to a file the caller tails**: in Jupyter a child's fd 1 is not
-  the cell, so output is re-printed by the caller, prefixed with ``[rank r]``; a progress bar counts
-  the ranks finished (:mod:`tutorial_lib.dist.launch_progress`: a widget in JupyterLab, nothing in an
-  executed notebook for launches under 30 s).
-* **A failing rank fails the launch at once**, with its traceback: torch's ``ProcessContext.join``
-  sees the exit, and the other ranks -- most likely waiting for it in a collective, which on NCCL
-  ends only at the collective timeout -- get half a second before SIGTERM and again before SIGKILL.
+* **Every rank's output goes to a file the caller tails**, from the rank's first instruction: it is
+  started with its log as fds 1 and 2 (:func:`~tutorial_lib.dist.launch_progress.rank_output_to`), so
+  what it prints while starting up (running the caller's main script, imports) is there too. In Jupyter
+  a child's fd 1 is not the cell: the caller re-prints the output, prefixed with ``[rank r]``; a bar
+  counts the ranks finished (:mod:`tutorial_lib.dist.launch_progress`: a widget in JupyterLab, nothing
+  in an executed notebook for launches under 30 s).
+* **A failing rank fails the launch at once**, its traceback (last 60 lines, 4000 characters) in the
+  exception -- also one from before the rank function ran, e.g. a script that launches without the
+  ``if __name__ == "__main__":`` guard (``tests/dist/test_launcher_early_failures.py``): torch's
+  ``ProcessContext.join`` sees the exit, and the other ranks -- most likely waiting for it in a
+  collective, which on NCCL ends only at the collective timeout -- get half a second before SIGTERM
+  and again before SIGKILL.
 * **A short collective timeout** (``collective_timeout``) turns a mismatched collective into
   an error in seconds instead of gloo's default 30 minutes, and the overall ``timeout`` kills
   ranks that hang outside collectives.
@@ -69,7 +75,6 @@ import datetime
 import os
 import pickle
 import shutil
-import signal
 import socket
 import sys
 import tempfile
@@ -77,6 +82,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from multiprocessing import resource_tracker
 from typing import Any
 
 import torch
@@ -84,7 +90,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
-from tutorial_lib.dist.launch_progress import LogTail, RanksFinished
+from tutorial_lib.dist.launch_progress import LogTail, RanksFinished, failure_report, rank_output_to
 from tutorial_lib.dist.runtime import CUBLAS_DETERMINISTIC_WORKSPACE, backend_for, resolve_device
 
 __all__ = ["launch", "rank_device", "run_sequence", "LaunchError", "LaunchTimeout", "RankFailed"]
@@ -97,11 +103,15 @@ class LaunchError(RuntimeError):
 
 
 class RankFailed(LaunchError):
-    """A rank raised or died; the message carries that rank's traceback or exit signal."""
+    """A rank raised or died; the message carries that rank's traceback (or last output) and exit signal.
 
-    def __init__(self, message: str, rank: int):
+    ``rank`` is the rank that failed first; ``cause`` the last line of its traceback or output.
+    """
+
+    def __init__(self, message: str, rank: int, cause: str = ""):
         super().__init__(message)
         self.rank = rank
+        self.cause = cause
 
 
 class LaunchTimeout(LaunchError, TimeoutError):
@@ -143,29 +153,19 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _rank_main(
-    rank: int,
-    world_size: int,
-    device_type: str,
-    port: int,
-    tmp: str,
-    collective_timeout: float,
-    call: bytes,
-    deterministic: bool = True,
-) -> None:
-    """Body of one spawned rank; ``call`` is ``(fn, args, kwargs)`` pickled. Every exit path ends in ``os._exit``."""
+def _rank_main(_index: int, rank: int, world_size: int, device_type: str, backend: str, port: int, tmp: str,
+               collective_timeout: float, call: bytes, deterministic: bool = True) -> None:
+    """Body of one spawned rank (``_index`` is 0: each rank is started by itself); ``call`` is ``(fn, args,
+    kwargs)`` pickled. Its fds 1 and 2 are its log already. Every exit path ends in ``os._exit``."""
     global _RANK_DEVICE
-    log = os.open(os.path.join(tmp, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    sys.stdout.reconfigure(line_buffering=True)
-    sys.stderr.reconfigure(line_buffering=True)
-    rank_tmp = os.path.join(tmp, f"rank{rank}.tmp")
-    os.makedirs(rank_tmp, mode=0o700, exist_ok=True)
-    os.environ["TMPDIR"] = rank_tmp
-    tempfile.tempdir = None
     code = 1
     try:
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
+        rank_tmp = os.path.join(tmp, f"rank{rank}.tmp")
+        os.makedirs(rank_tmp, mode=0o700, exist_ok=True)
+        os.environ["TMPDIR"] = rank_tmp
+        tempfile.tempdir = None
         os.environ.update(
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -189,9 +189,7 @@ def _rank_main(
         try:
             _inject_rendezvous_fault(rank)
             store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
-            dist.init_process_group(
-                backend_for(device_type), store=store, rank=rank, world_size=world_size, timeout=timeout
-            )
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         except BaseException:  # noqa: B036 - marks a failed rendezvous: the launch may be retried
             open(os.path.join(tmp, f"rank{rank}.rendezvous_failed"), "w").close()
             raise
@@ -220,8 +218,9 @@ def _load_call(call: bytes) -> tuple:
         return pickle.loads(call)  # pickled for this launch by its own caller
     except Exception as exc:
         raise RuntimeError("this rank cannot unpickle the function or its arguments: a class or function defined "
-                           "in a notebook or a script run as __main__ cannot be imported by a spawned rank; move "
-                           "it into an importable module") from exc
+                           "in a notebook or a script run as __main__ cannot be imported by a spawned rank (move "
+                           "it into an importable module), nor one whose module fails to import in a rank; "
+                           f"the error: {type(exc).__name__}: {exc}") from exc
 
 
 def _name(fn: Callable) -> str:
@@ -301,37 +300,9 @@ def _stop(context: mp.ProcessContext, grace: float = 3.0) -> None:
 def _failure_message(
     tmp: str, world_size: int, context: mp.ProcessContext, tail: LogTail, first: int | None = None
 ) -> RankFailed:
-    """The error for the rank that failed first (``first``, as torch's join saw it), with its
-    traceback or exit signal and last output; ranks that failed afterwards are named too."""
-    errors, raised_at = {}, {}
-    for r in range(world_size):
-        path = os.path.join(tmp, f"rank{r}.error")
-        if os.path.exists(path):
-            with open(path) as fh:
-                errors[r] = fh.read()
-            raised_at[r] = os.stat(path).st_mtime_ns  # set by the rank: when it caught the exception
-    died = {
-        r: p.exitcode for r, p in enumerate(context.processes)
-        if p.exitcode not in (0, None) and r not in errors
-    }
-    if first is None or (first not in errors and first not in died):
-        candidates = sorted(died) or sorted(errors)
-        first = candidates[0] if candidates else -1
-    if first in errors:  # a caller that polled late sees the ranks that failed because of it exit too: the
-        first = min(errors, key=lambda r: (raised_at[r], r))  # first exception is the cause
-    if first in errors:
-        msg = f"rank {first} of {world_size} raised:\n{errors[first]}"
-    elif first in died:
-        code = died[first]
-        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-        out = "\n".join(tail.last_lines[first]) or "(none)"
-        msg = f"rank {first} of {world_size} died with {how} (no Python traceback); its last output:\n{out}"
-    else:
-        msg = f"the launch on {world_size} ranks ended without a result from every rank"
-    others = sorted((set(errors) | set(died)) - {first})
-    if others:
-        msg += f"\n(ranks {others} failed afterwards, most likely waiting on rank {first})"
-    return RankFailed(msg, first)
+    """The error for the rank that failed first (``first``, as torch's join saw it): see :func:`failure_report`."""
+    exitcodes = [p.exitcode for p in context.processes]
+    return RankFailed(*failure_report(tmp, world_size, exitcodes, tail.last_lines, first))
 
 
 def launch(
@@ -363,12 +334,17 @@ def launch(
     Raises:
         RankFailed: a rank raised (message holds its traceback) or died (its signal).
         LaunchTimeout: ``timeout`` passed; every rank has been killed.
-        ValueError: bad ``world_size`` (e.g. more ranks than GPUs).
+        ValueError: bad ``world_size`` (e.g. more ranks than GPUs), a timeout not above 0, a device
+            without a process-group backend.
     """
     kwargs = kwargs or {}
     dev = resolve_device(device)
+    backend = backend_for(dev)  # a torch.device is taken as it is: e.g. "meta" has no backend
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    for name, seconds in (("timeout", timeout), ("collective_timeout", collective_timeout)):
+        if not seconds > 0:
+            raise ValueError(f"{name} must be > 0 seconds, got {seconds!r}")
     if dev.type == "cuda" and world_size > torch.cuda.device_count():
         raise ValueError(
             f"world_size {world_size} needs one GPU per rank, but only {torch.cuda.device_count()} "
@@ -381,11 +357,12 @@ def launch(
         )
     for attempt in range(1 + _RENDEZVOUS_RETRIES):
         try:
-            return _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout, echo, deterministic)
+            return _launch_once(fn, world_size, dev, backend, args, kwargs, timeout, collective_timeout, echo,
+                                deterministic)
         except _RendezvousFailed as exc:
             if attempt == _RENDEZVOUS_RETRIES:
                 raise exc.error from None
-            print(f"[launcher] rendezvous failed before {_name(fn)} ran ({exc.error.args[0].splitlines()[-1]}); "
+            print(f"[launcher] rendezvous failed before {_name(fn)} ran ({exc.error.cause}); "
                   f"retrying with a fresh port ({attempt + 1} of {_RENDEZVOUS_RETRIES} retries)", flush=True)
     raise AssertionError("unreachable")
 
@@ -432,9 +409,33 @@ def _rank_environment(dev: torch.device):
             os.environ["TRITON_INTERPRET"] = before
 
 
-def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout, echo, deterministic) -> list:
+def _start_ranks(world_size: int, tmp: str, rank_args: tuple) -> mp.ProcessContext:
+    """Spawn one process per rank, each with ``tmp/rank{r}.log`` as its stdout and stderr from its start.
+
+    torch starts all of a ``start_processes`` call's processes with the caller's fds 1 and 2, so each
+    rank is started by a call of its own, inside :func:`rank_output_to`; their processes then make one
+    context, which fails the launch as soon as any rank fails.
+    """
+    resource_tracker.ensure_running()  # one per caller process, started by the first spawn: not with a rank's log
+    contexts = []
+    try:
+        for r in range(world_size):
+            with rank_output_to(os.path.join(tmp, f"rank{r}.log")):
+                contexts.append(mp.start_processes(_rank_main, args=(r, *rank_args), nprocs=1, join=False,
+                                                   start_method="spawn"))
+    except BaseException:
+        for started in contexts:
+            _stop(started)
+        raise
+    return mp.ProcessContext([c.processes[0] for c in contexts], [c.error_files[0] for c in contexts])
+
+
+def _launch_once(fn, world_size, dev, backend, args, kwargs, timeout, collective_timeout, echo, deterministic) -> list:
     """One attempt: spawn, supervise, collect; see the module docstring for the protocol."""
-    call = pickle.dumps((fn, args, kwargs))  # unpicklable arguments fail here, before any rank starts
+    try:  # unpicklable arguments fail here, before any rank starts
+        call = pickle.dumps((fn, args, kwargs))
+    except Exception as exc:
+        raise TypeError(f"launch sends fn, args and kwargs to the ranks by pickle, and they cannot be: {exc}") from exc
     tmp = tempfile.mkdtemp(prefix="tutorial-launch-")  # mode 0700: the ranks' results and logs are private
     try:
         store = _loopback_store(world_size + 1, datetime.timedelta(seconds=collective_timeout))
@@ -446,11 +447,8 @@ def _launch_once(fn, world_size, dev, args, kwargs, timeout, collective_timeout,
         finished = RanksFinished([os.path.join(tmp, f"rank{r}.result") for r in range(world_size)], _name(fn))
         tail = LogTail(tmp, world_size, echo, write=finished.note)
         with _rank_environment(dev):
-            context = mp.start_processes(
-                _rank_main,
-                args=(world_size, dev.type, store.port, tmp, collective_timeout, call, deterministic),
-                nprocs=world_size, join=False, start_method="spawn",
-            )
+            rank_args = (world_size, dev.type, backend, store.port, tmp, collective_timeout, call, deterministic)
+            context = _start_ranks(world_size, tmp, rank_args)
         deadline = time.monotonic() + timeout
         while True:
             tail.pump()
