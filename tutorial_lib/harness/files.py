@@ -7,9 +7,12 @@ pages, the README's links and a resumed training run's metrics file are written 
 
 Example::
 
+    import tempfile
     from pathlib import Path
     from tutorial_lib.harness.files import write_atomically
-    write_atomically(Path("out/index.html"), "<!doctype html><title>Lessons</title>")
+    page = Path(tempfile.mkdtemp()) / "index.html"
+    write_atomically(page, "<!doctype html><title>Lessons</title>")   # page's old text, or this: never a mix
+    assert sorted(p.name for p in page.parent.iterdir()) == ["index.html"]   # no private file left
 """
 
 from __future__ import annotations
