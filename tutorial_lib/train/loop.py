@@ -377,11 +377,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
             bar.set_postfix(loss=f"{step_losses[-1]:.3f}", tok_s=f"{rate:,.0f}")
             restart = True
         # the checkpoint before the evaluation: the step's work is saved first
-        if cfg.ckpt_every and done % cfg.ckpt_every == 0:
+        if checkpoint_due(done, cfg.steps, cfg.ckpt_every):  # every ckpt_every steps, and after the last
             checkpoints.append(save_training_checkpoint(model, opt, done, cfg.out))
-        elif checkpoint_due(done, cfg.steps, cfg.ckpt_every):  # whatever the period, the end of a run is saved
-            checkpoints.append(save_training_checkpoint(model, opt, done, cfg.out))
-        if checkpoint_due(done, cfg.steps, cfg.ckpt_every):
             records.write("checkpoint", step=done, path=checkpoints[-1])
             restart = True
         if done % cfg.eval_every == 0 or done == cfg.steps:
