@@ -99,7 +99,8 @@ class Float8Tensor(QuantizedTensor):
     ) -> Float8Tensor:
         """Quantize ``x`` with a given ``scale`` (codes = fp8(x * scale)); nominal dtype = ``x.dtype``.
 
-        ``scale`` is a positive finite float or 0-d tensor. To choose the scale from the data use a
+        ``scale`` is a positive finite float or 0-d tensor, at least ``fmt``'s max / fp32's max (a smaller one
+        would decode the largest codes to inf). To choose the scale from the data use a
         quantizer (``tutorial_lib.quant.float8.CurrentScaling(...).quantize(x)``).
         """
         if not isinstance(x, torch.Tensor) or isinstance(x, QuantizedTensor):
