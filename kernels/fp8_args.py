@@ -22,7 +22,7 @@ import torch
 
 __all__ = [
     "FP8_FORMATS", "FP8_MAX", "SUPPORTED_DTYPES", "CastResult", "check_amax_eps", "check_dequantize_args",
-    "check_input", "check_scale_arg", "decodes_finite",
+    "check_input", "check_scale_arg", "check_scale_decodes",
 ]
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -80,17 +80,18 @@ def check_scale_arg(scale, device, fmt: str | None = None) -> torch.Tensor:
     t = torch.tensor(scale, dtype=torch.float32)  # checked on the CPU: no device read-back
     if not torch.isfinite(t) or t == 0:
         raise ValueError(f"scale {scale!r} is not a finite, nonzero fp32")
-    if fmt is not None and not decodes_finite(t, fmt):
-        raise ValueError(f"scale {scale!r} is too small for {fmt}: its scale_inv = 1 / scale decodes the largest "
-                         f"{fmt} code ({FP8_MAX[fmt]:g}) past the largest fp32; use a scale >= "
-                         f"{FP8_MAX[fmt] / _FP32_MAX:.4g}")
+    if fmt is not None:
+        check_scale_decodes(t, fmt)
     return t.to(device)
 
 
-def decodes_finite(scale: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Whether ``max * (1 / scale)``, in fp32 as a dequantize computes it, is finite: a scale below about
-    ``max / 3.4e38`` (E4M3 ~1.3e-36, E5M2 ~1.7e-34) turns the largest codes into inf. A bool tensor."""
-    return torch.isfinite(scale.float().reciprocal() * FP8_MAX[fmt])
+def check_scale_decodes(scale: torch.Tensor, fmt: str) -> None:
+    """ValueError unless ``max * (1 / scale)``, in fp32 as a dequantize computes it, is finite: a scale below
+    about ``max / 3.4e38`` (E4M3 ~1.3e-36, E5M2 ~1.7e-34) turns the largest codes into inf. Reads the scale."""
+    if not bool(torch.isfinite(scale.float().reciprocal() * FP8_MAX[fmt])):
+        raise ValueError(f"scale {scale.item()!r} is too small for {fmt}: its scale_inv = 1 / scale decodes the "
+                         f"largest {fmt} code ({FP8_MAX[fmt]:g}) past the largest fp32; use a scale >= "
+                         f"{FP8_MAX[fmt] / _FP32_MAX:.4g}")
 
 
 def check_dequantize_args(data: torch.Tensor, fmt: str, dtype: torch.dtype) -> None:

@@ -188,7 +188,7 @@ def failure_report(
     wrote its traceback to ``tmp/rank{r}.error`` (its time: when it raised); one that died without
     one -- killed, or failed while starting up, before the launcher's code in it ran -- is described by
     its exit and its last output, where a start-up traceback is. Either is quoted by its last
-    ``TAIL_LINES`` lines and ``TAIL_CHARS`` characters; ranks that failed afterwards are named too.
+    ``KEPT_LINES`` lines and ``TAIL_CHARS`` characters; ranks that failed afterwards are named too.
     """
     errors, raised_at = {}, {}
     for r in range(world_size):
@@ -221,14 +221,15 @@ def failure_report(
     return msg, first, next((line for line in reversed(text.splitlines()) if line.strip()), "")
 
 
-TAIL_LINES, TAIL_CHARS = KEPT_LINES, 4000
-"""How much of a failed rank's traceback or output :func:`failure_report` quotes."""
+TAIL_CHARS = 4000
+"""How many characters of a failed rank's traceback or output :func:`failure_report` quotes (and at most
+``KEPT_LINES`` lines)."""
 
 
 def last_part(text: str) -> str:
-    """The end of a rank's traceback or output: at most ``TAIL_LINES`` lines and ``TAIL_CHARS`` characters."""
+    """The end of a rank's traceback or output: at most ``KEPT_LINES`` lines and ``TAIL_CHARS`` characters."""
     text = text.rstrip("\n")
-    kept = "\n".join(text.split("\n")[-TAIL_LINES:])[-TAIL_CHARS:]
+    kept = "\n".join(text.split("\n")[-KEPT_LINES:])[-TAIL_CHARS:]
     if len(kept) == len(text):
         return text
     return f"[... {len(text) - len(kept)} earlier characters left out]\n{kept}"

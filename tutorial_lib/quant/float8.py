@@ -62,7 +62,7 @@ from tutorial_lib.quant.per_tensor import (
     all_reduce_amax,
     check_amax_eps,
     check_input,
-    decodes_finite,
+    check_scale_decodes,
     quantize_per_tensor,
     round_saturating,
     scale_from_amax,
@@ -114,9 +114,7 @@ class Float8Tensor(QuantizedTensor):
         scale = scale.reshape(())
         if not (bool(torch.isfinite(scale)) and bool(scale > 0)):
             raise ValueError(f"scale must be positive and finite, got {scale.item()}")
-        if not bool(decodes_finite(scale, fmt)):  # scale_inv = 1 / scale would decode the largest codes to inf
-            raise ValueError(f"scale {scale.item()!r} is too small for {fmt}: its scale_inv = 1 / scale decodes the "
-                             f"largest {fmt} code past the largest fp32")
+        check_scale_decodes(scale, fmt)  # scale_inv = 1 / scale must decode the largest codes finite
         data = quantize_per_tensor(x.detach(), scale, fmt)
         return cls.from_buffers(
             {"data": data, "scale_inv": scale.reciprocal()},

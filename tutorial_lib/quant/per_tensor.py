@@ -56,7 +56,7 @@ from tutorial_kernels.fp8_args import (
     check_dequantize_args,
     check_input,
     check_scale_arg,
-    decodes_finite,
+    check_scale_decodes,
 )
 
 from tutorial_lib.quant.formats import get_format
@@ -64,7 +64,7 @@ from tutorial_lib.quant.formats import get_format
 __all__ = [
     "SUPPORTED_DTYPES", "FP8_FORMATS", "CastResult", "amax", "scale_from_amax", "quantize_per_tensor",
     "dequantize_per_tensor", "cast_current_scaling", "cast_current_scaling_with_transpose", "cast_delayed_scaling",
-    "check_input", "check_scale_arg", "decodes_finite",
+    "check_input", "check_scale_arg", "check_scale_decodes",
     "check_amax_eps", "check_dequantize_args", "all_reduce_amax", "fake_quantize_per_tensor", "round_saturating",
 ]
 

@@ -142,10 +142,9 @@ class TextData:
 
         Windows ``rank, rank + W, rank + 2W, ...`` of the first ``n`` (``n`` rounded down to a multiple of the
         world size ``W``): disjoint across ranks, the same count on every rank, together all ``n``."""
-        n = self.val.shape[0] if max_windows is None else min(max_windows, self.val.shape[0])
-        n -= n % world_size  # every rank the same count: FSDP2's forward all-gathers are collectives
+        used = self.val.shape[0] if max_windows is None else min(max_windows, self.val.shape[0])
+        n = used - used % world_size  # every rank the same count: FSDP2's forward all-gathers are collectives
         if n == 0:
-            used = self.val.shape[0] if max_windows is None else min(max_windows, self.val.shape[0])
             raise ValueError(f"{world_size} ranks need at least {world_size} validation windows, got {used} "
                              f"(max_windows={max_windows}; the validation split has {self.val.shape[0]})")
         w = self.val[rank:n:world_size].long()
