@@ -6,6 +6,7 @@ Timing tests assert only what must hold on any machine (a lower bound a sleep gu
 from __future__ import annotations
 
 import json
+import statistics
 import time
 
 import torch
@@ -31,10 +32,13 @@ def test_latency_counts_host_work_before_the_first_launch():
 
 def test_time_rounds_latency_is_paired_and_counts_host_work():
     x = torch.randn(1024, device=DEV)
-    times = time_rounds({"slow": _host_then_kernel(x, 0.003), "fast": _host_then_kernel(x, 0.0)},
+    times = time_rounds({"slow": _host_then_kernel(x, 0.03), "fast": _host_then_kernel(x, 0.0)},
                         rounds=3, warmup=0, rep=3, device=DEV, latency=True)
     assert [len(v) for v in times.values()] == [3, 3]
-    assert all(s >= 3.0 for s in times["slow"]) and all(s - f >= 2.0 for s, f in zip(times["slow"], times["fast"]))
+    assert all(s >= 30.0 for s in times["slow"])  # the sleep is inside every window of "slow"
+    # ...and in none of "fast"'s. The 15 ms margin is wide so that a loaded machine (a GPU host running 14 test
+    # workers) cannot fail it; it asserts no speed.
+    assert statistics.median(times["fast"]) < statistics.median(times["slow"]) - 15.0, times
 
 
 def test_alternating_case_records_its_timing():
