@@ -64,3 +64,26 @@ def test_the_command_checks_without_writing_and_then_updates(tmp_path, capsys):
     assert main(paths) == 0 and "| cast " in readme.read_text() and readme.read_text().endswith("after\n")
     assert main(["--check", *paths]) == 0
     assert "is current" in capsys.readouterr().out
+
+
+def test_the_peer_ratio_ranges_over_the_newest_run_only(tmp_path):
+    # an older run whose peer was 3x slower (the peer's code changed since): its ratios must not widen the range,
+    # while ours' time still ranges over both runs
+    for date, peer_ms in (("2026-01-01T00:00:00", 6.0), ("2026-01-02T00:00:00", 2.0)):
+        c = case_from_rounds("alt", {"ours": [1.0, 1.1, 0.9], "peer": [peer_ms, peer_ms, peer_ms]}, nbytes=1,
+                             copy_GBps=100.0)
+        doc = {"machine": "GPU x1", "torch": "t", "triton": "tr", "date": date, "copy_GBps": 100.0, "cases": [c]}
+        (tmp_path / f"kern-GPU_x1-{date[:10]}.json").write_text(json.dumps(doc))
+    row = next(line for line in results_markdown(tmp_path).splitlines() if line.startswith("| kern "))
+    cells = [cell.strip() for cell in row.split("|")[1:-1]]
+    assert cells[4] == "2.00x (1.82x-2.22x)"  # 2/1.1 .. 2/0.9, the newest run's rounds only (not up to 6.67x)
+    assert cells[2] == "1.000 (0.900-1.100)" and cells[6] == "2"
+
+
+def test_a_newest_run_without_rounds_ranges_its_ratio_over_the_runs_medians(tmp_path):
+    for date, peer_ms in (("2026-01-01T00:00:00", 3.0), ("2026-01-02T00:00:00", 2.0)):
+        doc = {"machine": "GPU x1", "torch": "t", "triton": "tr", "date": date, "copy_GBps": 100.0,
+               "cases": [case("step", 1.0, peers={"peer": peer_ms}, nbytes=1, copy_GBps=100.0)]}
+        (tmp_path / f"kern-GPU_x1-{date[:10]}.json").write_text(json.dumps(doc))
+    row = next(line for line in results_markdown(tmp_path).splitlines() if line.startswith("| kern "))
+    assert [cell.strip() for cell in row.split("|")[1:-1]][4] == "2.00x (2.00x-3.00x)"

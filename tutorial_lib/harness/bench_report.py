@@ -2,9 +2,10 @@
 
 Generated, never edited by hand: ``python -m tutorial_lib.harness.bench_report`` rewrites the block between
 :data:`README_START` and :data:`README_END` (``tests/test_readme.py`` keeps it in sync). Each row is
-a case of a benchmark's newest run; its numbers carry ranges over the alternating rounds of every
-recorded run of the same case (``tutorial_lib.harness.bench.alternating_case`` records them), so
-the README never quotes a single run alone.
+a case of a benchmark's newest run; its times and fractions carry ranges over the alternating rounds of
+every recorded run of the same case (``tutorial_lib.harness.bench.alternating_case`` records them), so
+the README never quotes a single run alone; its ratio to the best peer, a same-run measure, ranges over
+the newest run's paired rounds where it recorded them.
 
 Example::
 
@@ -91,7 +92,8 @@ def results_markdown(results_dir: str | Path) -> str:
     ``ours (ms)``: the newest run's median, then (min-max) over the rounds of every recorded run of
     the same case on the same machine (runs without rounds contribute their median). ``ours vs peer``:
     best peer / ours in the newest run (the median of its round-by-round ratios; without rounds, the ratio
-    of the medians), then the range over the recorded runs' rounds (or run medians).
+    of the medians), then the range over that run's paired rounds -- peer and ours compared within one run;
+    a newest run without rounds has one ratio, and the range is then over the recorded runs' ratios of medians.
     ``fraction of copy``: newest, then the range over runs; TFLOPS for a GEMM, "host time" for a host-time
     case, "-" for :data:`NOT_COPY_BOUND`. ``runs``: how many recorded runs the ranges cover.
     """
@@ -111,17 +113,17 @@ def results_markdown(results_dir: str | Path) -> str:
             best = _best_peer(c)
             if best:
                 name, ms = best
-                ratios = []
-                for rc in history:
-                    b, paired = _best_peer(rc), _paired_ratios(rc)
-                    if "best_peer_over_ours" in rc:
-                        ratios += [rc["best_peer_over_ours"]["min"], rc["best_peer_over_ours"]["max"]]
-                    elif paired:
-                        ratios += paired
-                    elif b:
-                        ratios.append(b[1] / rc["ours_ms"])
-                peer = f"{ms:.3f} ({_cell(name)})"
+                # A ratio is a same-run measure: where this run recorded paired rounds, their range is the
+                # spread (pooled over runs, it would set ours against a peer of another code version, a peer
+                # made faster since). A run without rounds has one ratio: the recorded runs' ratios then.
                 paired = _paired_ratios(c)
+                if "best_peer_over_ours" in c:
+                    ratios = [c["best_peer_over_ours"]["min"], c["best_peer_over_ours"]["max"]]
+                elif paired:
+                    ratios = paired
+                else:
+                    ratios = [b[1] / rc["ours_ms"] for rc in history if (b := _best_peer(rc))]
+                peer = f"{ms:.3f} ({_cell(name)})"
                 ratio = f"{statistics.median(paired) if paired else ms / c['ours_ms']:.2f}x" + _range(ratios, "{:.2f}x")
             else:
                 peer, ratio = "-", "-"
