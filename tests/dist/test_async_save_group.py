@@ -11,8 +11,13 @@ on the save's own group everything pairs up.
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+
 import async_save_rank_functions as asf  # tests/dist is on sys.path (see rank_functions.py)
 import pytest
+import torch
 
 from tutorial_lib.dist.checkpoint import checkpoint_dir
 from tutorial_lib.dist.launcher import launch
@@ -38,3 +43,38 @@ def test_an_async_save_waits_for_the_previous_one():
         out = launch(asf.second_save_before_the_first_is_done, world_size=2, device="cpu", args=(root,),
                      timeout=120, collective_timeout=15)
     assert out == [[[], [True]]] * 2  # the second dcp.async_save began after the first save was done
+
+
+_NCCL_ONLY = r'''
+import datetime, os, sys, tempfile
+import torch, torch.distributed as dist
+from tutorial_lib.dist.checkpoint import _async_save_group, load_checkpoint, save_checkpoint
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", rank=0, world_size=1, timeout=datetime.timedelta(seconds=17),
+                        device_id=torch.device("cuda", 0))
+group = _async_save_group(None)
+timeout = group._get_backend(torch.device("cpu")).options._timeout
+w = torch.randn(64, 33, device="cuda")
+with tempfile.TemporaryDirectory() as root:
+    save_checkpoint({"w": w}, os.path.join(root, "c"), mode="async").result(timeout=60)
+    loaded = {"w": torch.zeros_like(w)}
+    load_checkpoint(loaded, os.path.join(root, "c"))
+print("RESULT", timeout.total_seconds(), dist.get_backend(group), bool(torch.equal(loaded["w"], w)))
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="an NCCL default group needs a GPU")
+def test_an_nccl_only_default_group_gives_the_async_group_its_timeout(tmp_path):
+    """A default group that is NCCL alone (``init_process_group("nccl")``, not the launcher's "cpu:gloo,cuda:nccl"):
+    the save's gloo group takes NCCL's timeout, and an async save of a CUDA tensor loads back equal."""
+    script = tmp_path / "nccl_only.py"
+    script.write_text(_NCCL_ONLY)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith("RESULT"))
+    assert line.split()[1:] == ["17.0", "gloo", "True"], done.stdout
