@@ -407,6 +407,8 @@ def adamw_single_tensor_(
         if x.dtype != torch.float32:
             raise TypeError(f"{name} must be fp32, got {x.dtype}")
         raw_address(x, name)
+    if grad.dtype not in _TL_DTYPES:  # the widths the kernel reads (adam_tables.DTYPES)
+        raise TypeError(f"grad must be fp32, bf16 or fp16, got {grad.dtype}")
     raw_address(grad, "grad")
     n = param.numel()
     if not (grad.numel() == exp_avg.numel() == exp_avg_sq.numel() == n):

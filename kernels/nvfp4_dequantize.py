@@ -109,7 +109,7 @@ def nvfp4_dequantize(data: torch.Tensor, scale: torch.Tensor, global_scale_inv: 
         raise ValueError("nvfp4_dequantize needs contiguous data and scale")
     if not (data.is_cuda or interpreted()):
         raise ValueError(f"Triton kernels run on CUDA tensors (or under TRITON_INTERPRET=1), got {data.device}")
-    if rows & (rows - 1):
+    if rows < 1 or rows & (rows - 1):
         raise ValueError(f"rows must be a power of two, got {rows}")
     out = torch.empty((*data.shape[:-1], 2 * kb), dtype=dtype, device=data.device)
     if m == 0 or kb == 0:

@@ -46,7 +46,7 @@ def _meta_model(dims, fmt, world_size=1, seed=1):
     # the amax pass must reduce over every chunk, the cast pass must write every chunk
     ("fp8", (100, 200, 1)),
     ("mxfp8", (32, 64, 1)),  # generic path: quantize the shard's fp32 rows at once
-    ("nvfp4_16x16", (32, 64, 1)),  # its quantizer cannot run on meta: probed on a small real tensor
+    ("nvfp4_16x16", (32, 64, 1)),  # 16x16 blocks: block scales along both dims
 ])
 def test_meta_init_equals_eager_quantization(fmt, dims):
     model = _meta_model(dims, fmt)

@@ -425,3 +425,60 @@ def test_single_tensor_kernel_refuses_sizes_past_int32_offsets():
     big = torch.empty(2**31, device="meta")
     with pytest.raises(ValueError, match="2\\*\\*31"):
         k.adamw_single_tensor_(big, big, big, big, 1, lr=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64])
+def test_single_tensor_kernel_refuses_a_grad_it_cannot_read(dtype):
+    """The kernel reads fp32, bf16 or fp16 grads (as fused_adamw_'s tables): anything else is refused."""
+    p, m, v = _rand((64,), 1), torch.zeros(64, device=DEV), torch.zeros(64, device=DEV)
+    g = torch.ones(64, dtype=dtype, device=DEV)
+    with pytest.raises(TypeError, match=f"grad must be fp32, bf16 or fp16, got {dtype}"):
+        k.adamw_single_tensor_(p, g, m, v, 1, lr=1e-3)
+
+
+def _bucket(n=40):
+    return [_rand((n,), 3)], [torch.zeros(n, device=DEV)], [torch.zeros(n, device=DEV)]
+
+
+_W, _M, _V = _bucket()
+_F32 = torch.float32
+BAD_ADAM_ARGS = {
+    "out_kind": (lambda: kt.build_tables(_W, _M, _V, grad_dtype=_F32, out_kind="fp4"), ValueError, "out_kind must be"),
+    "lists": (lambda: kt.build_tables(_W, _M, [], grad_dtype=_F32), ValueError, "one entry per tensor"),
+    "lowp without outs": (lambda: kt.build_tables(_W, _M, _V, grad_dtype=_F32, out_kind="lowp"), ValueError,
+                          "out_kind='lowp' needs outs"),
+    "outs without kind": (lambda: kt.build_tables(_W, _M, _V, grad_dtype=_F32, outs=[torch.empty(40, device=DEV)]),
+                          ValueError, "out_kind='none' takes no outs"),
+    "fp8 format": (lambda: kt.build_tables(_W, _M, _V, grad_dtype=_F32, outs=[torch.empty(40, dtype=torch.uint8)],
+                                           out_kind="fp8", scale_invs=[torch.ones(())], fp8_format="e3m4"),
+                   ValueError, "fp8_format must be one of"),
+    "block_rule": (lambda: kt.build_tables(_W, _M, _V, grad_dtype=_F32, block_rule="floor"), ValueError,
+                   "block_rule is for the block formats"),
+    "grad dtype": (lambda: kt.build_tables(_W, _M, _V, grad_dtype=torch.float64), TypeError,
+                   "must be fp32, bf16 or fp16, got torch.float32 / torch.float64"),
+    "lowp out dtype": (lambda: kt.build_tables(_W, _M, _V, grad_dtype=_F32, out_kind="lowp",
+                                               outs=[torch.empty(40, device=DEV)]), TypeError, "'lowp' writes"),
+    "fp8 without scales": (lambda: k.fused_adamw_(
+        [_W[0].clone()], [_W[0].clone()], _M, _V, [1], lr=1e-3, outs=[torch.empty(40, dtype=torch.uint8, device=DEV)],
+        out_kind="fp8", scale_invs=[torch.ones((), device=DEV)], fp8_format="e4m3"), ValueError, "scales are required"),
+    "grad numel": (lambda: k.fused_adamw_([_W[0].clone()], [torch.ones(39, device=DEV)], _M, _V, [1], lr=1e-3),
+                   ValueError, "grad 0: expected 40 elements"),
+    "single param bf16": (lambda: k.adamw_single_tensor_(_W[0].bfloat16(), _W[0], _M[0], _V[0], 1, lr=1e-3),
+                          TypeError, "param must be fp32"),
+    "single numel": (lambda: k.adamw_single_tensor_(_W[0].clone(), _W[0][:39], _M[0], _V[0], 1, lr=1e-3),
+                     ValueError, "same number of elements"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ADAM_ARGS))
+def test_adam_launchers_name_the_broken_argument_rule(case):
+    call, exc, rule = BAD_ADAM_ARGS[case]
+    with pytest.raises(exc, match=rule):
+        call()
+
+
+def test_set_grads_needs_one_int64_address_per_tensor():
+    tables = kt.build_tables(_W, _M, _V, grad_dtype=_F32)
+    for bad in (torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int32)):
+        with pytest.raises(ValueError, match=r"need int64 \[1\] grad addresses"):
+            kt.set_grads(tables, bad)

@@ -143,3 +143,18 @@ def test_tensor_dequantize_uses_the_kernel_exactly_on_cuda(monkeypatch):
         assert _same_values(w.dequantize(dtype).float(), dequantize_mxfp8(data, scale, dtype=dtype).float())
     w.dequantize(torch.float16)  # not a kernel dtype: the reference
     assert calls == ([torch.bfloat16, torch.float32] if DEV == "cuda" else [])
+
+
+@pytest.mark.parametrize("call, exc, rule", [
+    (lambda: mxfp8_quantize(torch.tensor(1.0)), ValueError, "at least 1 dim, got a 0-d tensor"),
+    (lambda: mxfp8_quantize(torch.randn(32), rounding="ceil"), ValueError, "rounding must be one of"),
+    (lambda: mxfp8_dequantize(torch.zeros(32, dtype=torch.int8), torch.zeros(1, dtype=torch.uint8)), TypeError,
+     "data and scale are uint8"),
+    (lambda: mxfp8_dequantize(torch.zeros(32, dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8), torch.float16),
+     TypeError, "produces float32 or bfloat16"),
+    (lambda: mxfp8_dequantize(torch.zeros(64, 2, dtype=torch.uint8).t(), torch.zeros(2, 2, dtype=torch.uint8)),
+     ValueError, "needs contiguous data and scale"),
+])
+def test_kernel_launchers_name_the_broken_rule(call, exc, rule):
+    with pytest.raises(exc, match=rule):
+        call()

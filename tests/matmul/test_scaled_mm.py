@@ -362,6 +362,22 @@ BAD_CALLS = {
                                                   BlockwiseFP8Quantizer((128, 128)).quantize(torch.randn(128, 128)),
                                                   out_dtype=torch.bfloat16, bias=torch.zeros(128)),
                              "bias in the output dtype"),
+    "codes not uint8": (lambda: scaled_mm_module.check_fp8_gemm(A.raw_buffers()["data"].view(torch.int8),
+                                                                W.raw_buffers()["data"].t(), "e4m3", "e4m3",
+                                                                torch.float32), "FP8 codes"),
+    "unknown format": (lambda: scaled_mm_module.check_fp8_gemm(A.raw_buffers()["data"], W.raw_buffers()["data"].t(),
+                                                               "e3m4", "e4m3", torch.float32), "FP8 formats"),
+    "blockwise codes 3-D": (lambda: scaled_mm_module.check_blockwise_codes(
+        torch.zeros(2, 16, 128, dtype=torch.uint8), torch.ones(2, 16, 1), torch.zeros(128, 128, dtype=torch.uint8),
+        torch.ones(1, 1), torch.float32), "2-D operands"),
+    "blockwise codes K": (lambda: scaled_mm_module.check_blockwise_codes(
+        torch.zeros(16, 128, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(128, 256, dtype=torch.uint8),
+        torch.ones(1, 2), torch.float32), "shapes"),
+    "blockwise codes out fp64": (lambda: scaled_mm_module.check_blockwise_codes(
+        torch.zeros(16, 128, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(128, 128, dtype=torch.uint8),
+        torch.ones(1, 1), torch.float64), "output dtype"),
+    "emulated K": (lambda: emulated_mm(A, _f8((48, 32))), "shapes"),
+    "emulated out fp64": (lambda: emulated_mm(A, W, out_dtype=torch.float64), "output dtype"),
 }
 
 

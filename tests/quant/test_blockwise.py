@@ -178,3 +178,15 @@ def test_1x128_requantize_in_place_and_save_load(tmp_path):
     r = torch.load(tmp_path / "q.pt", weights_only=True)
     assert type(r) is FP8Blockwise1x128Tensor and r.quantizer.pow2_scales
     assert torch.equal(r.dequantize(), q.dequantize())
+
+
+@pytest.mark.parametrize("data_shape, scale_shape, block", [
+    ((1, 128), (2, 1), (1, 128)),      # more scale rows than data rows: would broadcast to [2, 128]
+    ((2, 256), (2, 1), (1, 128)),      # one scale per row for two blocks per row
+    ((128, 128), (2, 1), (128, 128)),  # two row tiles for one
+])
+def test_dequantize_refuses_a_scale_of_another_shape(data_shape, scale_shape, block):
+    """One scale_inv per block: any other shape is named (no broadcast to a different output shape)."""
+    data = torch.randint(0, 0x7F, data_shape, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"scale shape .* does not match data shape"):
+        dequantize_fp8_blockwise(data, torch.rand(scale_shape) + 0.5, block)

@@ -311,3 +311,18 @@ def test_auto_backend_sends_dtypes_the_kernel_lacks_to_the_reference(monkeypatch
         bufs = MXFP8Quantizer().quantize_buffers(w.to(dtype))
         assert torch.equal(bufs["data"], quantize_mxfp8(w.to(dtype))[0])
     assert calls == [torch.bfloat16]
+
+
+@pytest.mark.parametrize("data_shape, scale_shape, axis", [
+    ((1, 64), (2, 2), -1),   # more scale rows than data rows: would broadcast to [2, 64]
+    ((2, 64), (2,), -1),     # a scale without the row dim
+    ((2, 64), (1, 2, 2), -1),
+    ((64, 2), (2, 3), -2),   # columnwise: a scale column too many
+    ((), (), -1),            # a 0-d tensor has no 1x32 block
+])
+def test_dequantize_refuses_a_scale_of_another_shape(data_shape, scale_shape, axis):
+    """One E8M0 scale per 32 elements along ``axis``: any other shape is named, not broadcast or crashed on."""
+    data = torch.randint(0, 0x7F, data_shape, dtype=torch.uint8)
+    scale = torch.randint(120, 130, scale_shape, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"scale shape .* does not match data shape"):
+        dequantize_mxfp8(data, scale, axis=axis)

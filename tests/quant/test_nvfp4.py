@@ -258,3 +258,16 @@ def test_quantize_into_a_partial_view_is_refused():
     assert all(torch.equal(b, q.raw_buffers()[k]) for k, b in bufs.items())
     qz.quantize_into(q, x)  # the whole tensor: unchanged bytes
     assert all(torch.equal(b, q.raw_buffers()[k]) for k, b in bufs.items())
+
+
+@pytest.mark.parametrize("data_shape, scale_shape, block", [
+    ((1, 8), (2, 1), (1, 16)),     # more scale rows than data rows: would broadcast to [2, 16]
+    ((1, 16), (1, 1), (1, 16)),    # one scale for two 1x16 blocks
+    ((16, 8), (2, 1), (16, 16)),   # two row tiles for one
+])
+def test_dequantize_refuses_a_scale_of_another_shape(data_shape, scale_shape, block):
+    """One E4M3 scale per block: any other shape is named (no broadcast to a different output shape)."""
+    data = torch.randint(0, 256, data_shape, dtype=torch.uint8)
+    scale = torch.randint(0x30, 0x40, scale_shape, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"scale shape .* does not match data shape"):
+        dequantize_nvfp4(data, scale, torch.tensor(0.5), block)

@@ -74,6 +74,14 @@ def check_block_shape(shape, block_dims: tuple[int, ...], *, what: str) -> None:
             )
 
 
+def check_scale_shape(shape, scales, block_dims: tuple[int, ...], *, what: str) -> None:
+    """Raise a ValueError unless ``scales`` (a shape) holds one scale per block of a tileable ``shape``."""
+    want = scale_shape(shape, block_dims)
+    if tuple(scales) != want:
+        raise ValueError(f"{what} scale shape {list(scales)} does not match data shape {list(shape)}: "
+                         f"one scale per {block_name(block_dims)} block is shape {list(want)}")
+
+
 def scale_shape(shape, block_dims: tuple[int, ...]) -> tuple[int, ...]:
     """Shape of the per-block scale tensor: trailing dims divided by the block."""
     shape = tuple(shape)

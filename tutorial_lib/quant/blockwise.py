@@ -53,6 +53,7 @@ from tutorial_lib.quant.block import (
     block_dims_of,
     ceil_log2,
     check_block_shape,
+    check_scale_shape,
     e4m3_bytes_to_fp32,
     exp2_int,
     expand_scales,
@@ -159,6 +160,7 @@ def dequantize_fp8_blockwise(data, scale_inv, block=(1, 128), *, dtype=torch.flo
     if data.dtype != torch.uint8 or scale_inv.dtype != torch.float32:
         raise TypeError(f"blockwise data is uint8 and scale_inv fp32, got {data.dtype} and {scale_inv.dtype}")
     check_block_shape(data.shape, dims, what="FP8 blockwise")
+    check_scale_shape(data.shape, scale_inv.shape, dims, what="FP8 blockwise")
     return (e4m3_bytes_to_fp32(data) * expand_scales(scale_inv, dims)).to(dtype)
 
 

@@ -120,9 +120,12 @@ def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, *, axis: int = -1,
     """Inverse of :func:`quantize_mxfp8`: ``e4m3(data) * 2**(scale - 127)`` in ``dtype``."""
     if data.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise TypeError(f"MXFP8 data and scale are uint8 buffers, got {data.dtype} and {scale.dtype}")
-    dim = axis % data.dim()
-    if data.shape[dim] != scale.shape[dim] * MX_BLOCK:
-        raise ValueError(f"scale shape {tuple(scale.shape)} does not match data shape {tuple(data.shape)}")
+    dim = axis % max(data.dim(), 1)
+    want = (*data.shape[:dim], data.shape[dim] // MX_BLOCK, *data.shape[dim + 1:]) if data.dim() else ()
+    if not want or data.shape[dim] % MX_BLOCK or tuple(scale.shape) != want:
+        raise ValueError(f"scale shape {tuple(scale.shape)} does not match data shape {tuple(data.shape)}: "
+                         f"one E8M0 scale per {MX_BLOCK} elements along dim {axis} of a >= 1-D tensor "
+                         f"(expected {want})")
     s = e8m0_to_fp32(scale).repeat_interleave(MX_BLOCK, dim=dim)
     return (e4m3_bytes_to_fp32(data) * s).to(dtype)
 

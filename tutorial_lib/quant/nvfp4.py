@@ -45,6 +45,7 @@ from tutorial_lib.quant.block import (
     block_amax,
     block_dims_of,
     check_block_shape,
+    check_scale_shape,
     e4m3_bytes_to_fp32,
     expand_scales,
     from_blocks,
@@ -134,6 +135,7 @@ def dequantize_nvfp4(data, scale, global_scale_inv, block=(1, 16), *, dtype=torc
         raise TypeError(f"NVFP4 data and scale are uint8 buffers, got {data.dtype} and {scale.dtype}")
     values = decode(unpack_fp4(data), "e2m1", check_values=False)  # nibbles are 0..15: no host sync
     check_block_shape(values.shape, dims, what="NVFP4")
+    check_scale_shape(values.shape, scale.shape, dims, what="NVFP4")
     denom = e4m3_bytes_to_fp32(scale) * global_scale_inv.to(torch.float32)
     return (values * expand_scales(denom, dims)).to(dtype)
 
