@@ -148,6 +148,47 @@ def test_unfrozen_dtensor_parameter_is_updated_like_torch(tmp_path):
         dist.destroy_process_group()
 
 
+def test_one_group_mixing_plain_and_dtensor_parameters_is_updated_like_torch(tmp_path):
+    """A group whose parameters are partly DTensors (sharded by FSDP2) and partly plain tensors (a module left out
+    of ``fully_shard``): every parameter, its state and its step count as torch.optim.AdamW's, the DTensor's state
+    a DTensor, the plain one's a plain tensor -- including a plain parameter that skips steps."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    if DEV != "cpu":
+        pytest.skip("one-rank gloo mesh: CPU tensors")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=20))
+    try:
+        mesh = DeviceMesh("cpu", [0])
+        plain, theirs = _pair([(6,), (4, 3), (5,), (2, 7)], 11)
+        is_dtensor = [True, False, True, False]
+        ours = [torch.nn.Parameter(DTensor.from_local(p.detach().clone(), mesh, [Shard(0)], run_check=False))
+                if d else p for p, d in zip(plain, is_dtensor)]
+        opt, ref = FusedAdam(ours, **HP), torch.optim.AdamW(theirs, foreach=False, **HP)
+        for step in range(4):
+            for i, (a, b, g) in enumerate(zip(ours, theirs, _grads(theirs, step))):
+                skip = i == 3 and step in (1, 2)  # a plain parameter without a grad for two steps
+                a.grad = None if skip else (DTensor.from_local(g.clone(), mesh, [Shard(0)], run_check=False)
+                                            if is_dtensor[i] else g.clone())
+                b.grad = None if skip else g.clone()
+            opt.step()
+            ref.step()
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            local = a.detach().to_local() if is_dtensor[i] else a.detach()
+            torch.testing.assert_close(local, b.detach(), rtol=1e-6, atol=1e-7, msg=lambda m, i=i: f"param {i}: {m}")
+            assert opt.state[a]["step"].item() == ref.state[b]["step"].item()
+            assert isinstance(opt.state[a]["exp_avg"], DTensor) == is_dtensor[i]
+            state = opt.state[a]["exp_avg"]
+            torch.testing.assert_close(state.to_local() if is_dtensor[i] else state, ref.state[b]["exp_avg"],
+                                       rtol=1e-6, atol=1e-9)
+        assert opt.state[ours[3]]["step"].item() == 2
+        assert [plan.kind for plan in opt._plans.values()] == ["mixed"]  # the path under test
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_parameter_without_a_grad_has_step_zero_state_and_counts_from_its_first_grad():
     """A trainable parameter that never gets a grad (an unused layer) keeps its values and step-0 state (torch
     creates none: the one difference, and a step-0 entry continues in torch exactly as no entry); one whose
