@@ -18,7 +18,8 @@ from tutorial_kernels.adam_tables import raw_address
 
 from tutorial_lib.optim.adamw_reference import adamw_reference_step_
 from tutorial_lib.optim.fused_adam import HP_INIT_ATTR, FusedAdam, fused_fp8_format, route_param
-from tutorial_lib.quant.float8 import CurrentScaling, DelayedScaling
+from tutorial_lib.optim.fused_adam_plan import fused_current_scaling
+from tutorial_lib.quant.float8 import CurrentScaling, DelayedScaling, Float8Tensor
 from tutorial_lib.quant.mxfp8 import MXFP8Quantizer
 from tutorial_lib.quant.per_tensor import amax, quantize_per_tensor
 
@@ -328,6 +329,48 @@ def test_fp8_delayed_scaling_fused_equals_the_requantize_route():
             assert torch.equal(a.quantizer.amax_history, b.quantizer.amax_history)
             assert torch.equal(a.quantizer.amax_history[0].to(DEV), amax(master))
     assert [p.quantizer.steps for p in fused] == [p.quantizer.steps for p in generic] == [5, 5, 5]  # init + 4 each
+
+
+@pytest.mark.parametrize("make_quantizer", [lambda: DelayedScaling("e4m3", history_len=4),
+                                            lambda: CurrentScaling("e5m2")], ids=["delayed", "current"])
+def test_fp8_bytes_the_kernel_cannot_address_flat_take_the_requantize_route_with_equal_results(make_quantizer):
+    """A per-tensor FP8 parameter whose codes are a transposed (non-contiguous) view -- the storage of ``w.t()``
+    -- cannot be written by a kernel that addresses its bytes as one flat row-major run: it is routed to the
+    two-pass requantize route. Its twin with the same values in contiguous storage takes the fused route
+    (``fp8_fused`` for delayed scaling, the fused current-scaling bucket otherwise). Over three steps both
+    have equal masters, equal decoded values (bytes compared in one layout) and equal scales."""
+    g = torch.Generator().manual_seed(21)
+    hp = torch.randn(8, 16, generator=g).to(DEV)
+    q_view, q_twin = make_quantizer(), make_quantizer()
+    src = q_view.quantize(hp.to(torch.bfloat16))  # [8, 16] codes; the parameter is its transpose, [16, 8]
+    q_twin.quantize(hp.to(torch.bfloat16))  # the twin's quantizer sees the same history
+    bufs = src.raw_buffers()
+    view = Float8Tensor.from_buffers({"data": bufs["data"].t(), "scale_inv": bufs["scale_inv"].clone()}, src.meta(),
+                                     (16, 8), torch.bfloat16, quantizer=q_view)
+    twin = Float8Tensor.from_buffers({"data": bufs["data"].t().contiguous(), "scale_inv": bufs["scale_inv"].clone()},
+                                     src.meta(), (16, 8), torch.bfloat16, quantizer=q_twin)
+    assert not view.raw_buffers()["data"].is_contiguous()
+    a, b = torch.nn.Parameter(view), torch.nn.Parameter(twin)
+    for p in (a, b):
+        setattr(p, HP_INIT_ATTR, hp.t().clone())
+    opt_a = FusedAdam([a], lr=LR, weight_decay=WD, master_weights=True)
+    opt_b = FusedAdam([b], lr=LR, weight_decay=WD, master_weights=True)
+    assert opt_a.routes() == [["requantize"]] and fused_fp8_format(view) is None
+    delayed = isinstance(q_twin, DelayedScaling)
+    assert opt_b.routes() == [["fp8_fused" if delayed else "requantize"]]
+    if not delayed:  # the fused current-scaling bucket takes the twin only
+        assert fused_current_scaling(view) is None and fused_current_scaling(twin) is not None
+    for step in range(3):
+        a.grad = _grad((16, 8), 70 + step, torch.bfloat16)
+        b.grad = a.grad.clone()
+        opt_a.step()
+        opt_b.step()
+        assert torch.equal(opt_a.state[a]["master_param"], opt_b.state[b]["master_param"])
+        ra, rb = a.raw_buffers(), b.raw_buffers()
+        assert not ra["data"].is_contiguous()  # still the same transposed storage, written in place
+        assert torch.equal(ra["data"].contiguous(), rb["data"]) and torch.equal(ra["scale_inv"], rb["scale_inv"])
+        if delayed:
+            assert torch.equal(q_view.amax_history, q_twin.amax_history)
 
 
 def test_init_state_creates_state_without_updating_anything():
