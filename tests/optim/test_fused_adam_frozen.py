@@ -8,13 +8,18 @@ is None at a step, must keep its values, state and step count. Compared with tor
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 
 import pytest
 import torch
+import torch.distributed as dist
 import tutorial_kernels  # noqa: F401  (first: on CPU it sets TRITON_INTERPRET=1 before triton is imported)
 
 # isort: split
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
 from tutorial_lib.optim.fused_adam import FusedAdam
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -115,17 +120,21 @@ def test_a_grad_set_on_a_parameter_without_requires_grad_is_used_like_torch():
     _assert_like_torch(ours, theirs, opt, ref)
 
 
-def test_unfrozen_dtensor_parameter_is_updated_like_torch(tmp_path):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
-
+@contextlib.contextmanager
+def _one_rank_mesh(tmp_path):
+    """A one-rank gloo process group (a file store in ``tmp_path``) and its CPU DeviceMesh, destroyed on exit."""
     if DEV != "cpu":
         pytest.skip("one-rank gloo mesh: CPU tensors")
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=20))
     try:
-        mesh = DeviceMesh("cpu", [0])
+        yield DeviceMesh("cpu", [0])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_unfrozen_dtensor_parameter_is_updated_like_torch(tmp_path):
+    with _one_rank_mesh(tmp_path) as mesh:
         plain, theirs = _pair([(6,), (4, 3)], 5)
         ours = [torch.nn.Parameter(DTensor.from_local(p.detach().clone(), mesh, [Shard(0)], run_check=False))
                 for p in plain]
@@ -144,24 +153,13 @@ def test_unfrozen_dtensor_parameter_is_updated_like_torch(tmp_path):
             torch.testing.assert_close(a.detach().to_local(), b.detach(), rtol=1e-6, atol=1e-7)
         assert opt.state[ours[1]]["step"].item() == 2
         assert isinstance(opt.state[ours[1]]["exp_avg"], DTensor)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_one_group_mixing_plain_and_dtensor_parameters_is_updated_like_torch(tmp_path):
     """A group whose parameters are partly DTensors (sharded by FSDP2) and partly plain tensors (a module left out
     of ``fully_shard``): every parameter, its state and its step count as torch.optim.AdamW's, the DTensor's state
     a DTensor, the plain one's a plain tensor -- including a plain parameter that skips steps."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
-
-    if DEV != "cpu":
-        pytest.skip("one-rank gloo mesh: CPU tensors")
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=20))
-    try:
-        mesh = DeviceMesh("cpu", [0])
+    with _one_rank_mesh(tmp_path) as mesh:
         plain, theirs = _pair([(6,), (4, 3), (5,), (2, 7)], 11)
         is_dtensor = [True, False, True, False]
         ours = [torch.nn.Parameter(DTensor.from_local(p.detach().clone(), mesh, [Shard(0)], run_check=False))
@@ -185,8 +183,6 @@ def test_one_group_mixing_plain_and_dtensor_parameters_is_updated_like_torch(tmp
                                        rtol=1e-6, atol=1e-9)
         assert opt.state[ours[3]]["step"].item() == 2
         assert [plan.kind for plan in opt._plans.values()] == ["mixed"]  # the path under test
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_parameter_without_a_grad_has_step_zero_state_and_counts_from_its_first_grad():
