@@ -109,6 +109,8 @@ def launch_step_scalars(steps: torch.Tensor, active: torch.Tensor, group: torch.
         raise ValueError(f"table must be fp64 [2, S] (bias_correction_table), got {table.dtype} {tuple(table.shape)}")
     if hyper.shape != (3, n) or hyper.dtype != torch.float32:
         raise ValueError(f"hyper must be fp32 [3, {n}], got {hyper.dtype} {tuple(hyper.shape)}")
+    if index is not None and (index.dtype != torch.int64 or index.dim() != 1):
+        raise ValueError(f"index must be a 1-d int64 tensor, got {index.dtype} {tuple(index.shape)}")
     named = (("steps", steps), ("active", active), ("group", group), ("table", table), ("hyper", hyper),
              ("index", index if index is not None else steps))
     for name, t in named:  # the kernel addresses every buffer as a dense row-major array

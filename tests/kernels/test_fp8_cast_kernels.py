@@ -149,6 +149,52 @@ def test_reduce_amax_hook_runs_between_the_passes():
         _assert_same_result(got, expect)
 
 
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_reduce_amax_hook_sets_the_scale_of_an_empty_tensor(fmt):
+    """An empty shard still joins the amax reduction: the hook's amax (other ranks' data) gives the scale."""
+    e = torch.empty(0, 8, device=DEV)
+    for pow2 in (False, True):
+        expect = ref.cast_current_scaling(e, fmt, pow2_scales=pow2, reduce_amax=lambda a: a.fill_(3.7))
+        assert expect.amax.item() == pytest.approx(3.7) and expect.scale.item() != 1.0
+        _assert_same_result(k.cast_current_scaling(e, fmt, pow2_scales=pow2, reduce_amax=lambda a: a.fill_(3.7)),
+                            expect)
+        for fused in (True, False):
+            got, data_t = k.cast_current_scaling_with_transpose(e, fmt, pow2_scales=pow2, fused=fused,
+                                                                reduce_amax=lambda a: a.fill_(3.7))
+            _assert_same_result(got, expect)
+            assert data_t.shape == (8, 0)
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_fused_transposing_speculative_cast_runs_the_reduce_hook_between_the_passes(fmt):
+    """The fused tile kernels with a scale guess (right, too big, too small) AND a reduce hook: the recast uses
+    the reduced amax, so result and transposed codes equal the torch reference's with the same hook."""
+    x = (torch.randn(130, 70, generator=torch.Generator().manual_seed(21)) * 5).bfloat16().to(DEV)
+    for pow2 in (False, True):
+        expect = ref.cast_current_scaling(x, fmt, pow2_scales=pow2, reduce_amax=lambda a: a.mul_(4))
+        for guess in (expect.scale, expect.scale * 2, expect.scale / 2):
+            got, data_t = k.cast_current_scaling_with_transpose(x, fmt, pow2_scales=pow2, scale_guess=guess, fused=True,
+                                                                tile=32, reduce_amax=lambda a: a.mul_(4))
+            _assert_same_result(got, expect)
+            assert torch.equal(data_t, expect.data.t())
+
+
+@pytest.mark.parametrize("backend", [k, ref])
+def test_argument_contract_errors_name_the_argument_and_value(backend):
+    """The shared checks of ``tutorial_kernels.fp8_args``, through both backends."""
+    x, codes = torch.ones(4, device=DEV), torch.zeros(4, dtype=torch.uint8, device=DEV)
+    with pytest.raises(TypeError, match="expected a torch.Tensor, got list"):
+        backend.cast_current_scaling([1.0, 2.0], "e4m3")
+    for eps, shown in ((1e300, r"1e\+300"), ("x", "'x'"), (None, "None")):  # no fp32 value: not finite / not a number
+        with pytest.raises(ValueError, match=f"amax_eps={shown} must be finite, > 0"):
+            backend.cast_current_scaling(x, "e4m3", amax_eps=eps)
+    with pytest.raises(ValueError, match=r"per-tensor FP8 format must be one of \('e4m3', 'e5m2'\), got 'e3m4'"):
+        backend.dequantize_per_tensor(codes, 1.0, "e3m4")
+    with pytest.raises(TypeError, match=r"dequantize to one of .*, got torch.float64"):
+        backend.dequantize_per_tensor(codes, 1.0, "e4m3", dtype=torch.float64)
+
+
 # --------------------------------------------------------------------------- near float32's largest value
 
 _FP32_MAX = torch.finfo(torch.float32).max

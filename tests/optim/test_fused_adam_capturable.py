@@ -204,3 +204,56 @@ def test_replay_refuses_a_param_group_removed_since_capture():
     before = [q.detach().float().clone() for q in p[2:]]
     opt.step()
     assert all(torch.equal(q.detach().float(), b) for q, b in zip(p[2:], before))
+
+
+def test_step_table_refuses_betas_whose_corrections_outlast_the_table(monkeypatch):
+    """Betas so close to 1 that the corrections stay below 1.0 past ``MAX_TABLE_STEPS``: a ValueError naming
+    the betas and the limit (the limit lowered here so the refusal comes after 50 steps, not 4M)."""
+    import tutorial_kernels.adam_capturable as kc
+
+    monkeypatch.setattr(kc, "MAX_TABLE_STEPS", 50)
+    kc._table_cpu.cache_clear()  # a cached (0.9, 0.999) table would be returned without being rebuilt
+    with pytest.raises(ValueError, match=r"betas \(0\.9, 0\.999\): .* more than 50 steps"):
+        bias_correction_table(0.9, 0.999, "cpu")
+
+
+_TABLE = bias_correction_table(0.9, 0.999, "cpu")
+_F64 = dict(dtype=torch.float64)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((torch.zeros(3, **_F64), torch.ones(3), torch.zeros(2, **_F64), _TABLE, torch.empty(3, 3)),
+     r"steps and active must be fp32 of one shape, got torch.float64 \(3,\) and torch.float32 \(3,\)"),
+    ((torch.zeros(3), torch.ones(4), torch.zeros(2, **_F64), _TABLE, torch.empty(3, 3)),
+     r"steps and active must be fp32 of one shape, got torch.float32 \(3,\) and torch.float32 \(4,\)"),
+    ((torch.zeros(3), torch.ones(3), torch.zeros(2), _TABLE, torch.empty(3, 3)),
+     r"group must be fp64 \[2\] \(lr, weight_decay\), got torch.float32 \(2,\)"),
+    ((torch.zeros(3), torch.ones(3), torch.zeros(3, **_F64), _TABLE, torch.empty(3, 3)),
+     r"group must be fp64 \[2\] .*, got torch.float64 \(3,\)"),
+    ((torch.zeros(3), torch.ones(3), torch.zeros(2, **_F64), _TABLE.float(), torch.empty(3, 3)),
+     r"table must be fp64 \[2, S\] .*, got torch.float32 \(2, \d+\)"),
+    ((torch.zeros(3), torch.ones(3), torch.zeros(2, **_F64), _TABLE[0], torch.empty(3, 3)),
+     r"table must be fp64 \[2, S\] .*, got torch.float64 \(\d+,\)"),
+    ((torch.zeros(3), torch.ones(3), torch.zeros(2, **_F64), _TABLE, torch.empty(3, 4)),
+     r"hyper must be fp32 \[3, 3\], got torch.float32 \(3, 4\)"),
+    ((torch.zeros(3), torch.ones(3), torch.zeros(2, **_F64), _TABLE, torch.empty(3, 3, **_F64)),
+     r"hyper must be fp32 \[3, 3\], got torch.float64 \(3, 3\)"),
+    ((torch.zeros(3), torch.ones(3), torch.zeros(2, **_F64), _TABLE, torch.empty(3, 2), torch.tensor([0.0, 2.0])),
+     r"index must be a 1-d int64 tensor, got torch.float32 \(2,\)"),
+])
+def test_step_scalars_name_the_wrong_buffer_and_what_it_got(args, match):
+    """Each buffer's dtype and shape is checked before the launch; the error names it and what was passed."""
+    with pytest.raises(ValueError, match=match):
+        launch_step_scalars(*(a.to(DEV) for a in args))
+
+
+def test_step_scalars_with_no_parameters_leave_everything_untouched():
+    """Nothing to update (no parameters, or an empty bucket index): no launch, no step advanced."""
+    group = torch.tensor([1e-3, 0.0], dtype=torch.float64, device=DEV)
+    table = bias_correction_table(0.9, 0.999, DEV)
+    launch_step_scalars(torch.zeros(0, device=DEV), torch.ones(0, device=DEV), group, table,
+                        torch.empty(3, 0, device=DEV))
+    steps = torch.tensor([4.0, 0.0, 9.0], device=DEV)
+    launch_step_scalars(steps, torch.ones(3, device=DEV), group, table, torch.empty(3, 0, device=DEV),
+                        torch.zeros(0, dtype=torch.int64, device=DEV))
+    assert steps.tolist() == [4.0, 0.0, 9.0]

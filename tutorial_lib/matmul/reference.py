@@ -245,6 +245,10 @@ def gemm_error_bound(a_abs: torch.Tensor, b_abs: torch.Tensor, K: int, *, block_
     if a_abs.dim() != 2 or b_abs.dim() != 2 or a_abs.shape[1] != K or b_abs.shape[1] != K:
         raise ValueError(f"a_abs [M, K] and b_abs [N, K] must both have K = {K} columns, got "
                          f"{tuple(a_abs.shape)} and {tuple(b_abs.shape)}")
+    if block_k is not None and not (isinstance(block_k, int) and block_k > 0):
+        raise ValueError(f"block_k must be a positive int or None, got {block_k!r}")
+    if not 0 <= inner_unit_roundoff < 1:
+        raise ValueError(f"inner_unit_roundoff must be in [0, 1), got {inner_unit_roundoff!r}")
     P = a_abs.to(torch.float64) @ b_abs.to(torch.float64).T
     u = FP32_UNIT_ROUNDOFF
     if block_k is None:
