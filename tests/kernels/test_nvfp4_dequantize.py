@@ -166,8 +166,8 @@ def test_kernel_compiles_for_sm90(compile_ptx):
 
 def test_rows_must_be_a_positive_power_of_two():
     """rows = 0 passes a bare ``rows & (rows - 1)`` test; a compiled launch would divide by it."""
-    data = torch.randint(0, 256, (2, 8), dtype=torch.uint8)
-    scale = torch.randint(0x30, 0x40, (2, 1), dtype=torch.uint8)
+    data = torch.randint(0, 256, (2, 8), dtype=torch.uint8, device=DEV)
+    scale = torch.randint(0x30, 0x40, (2, 1), dtype=torch.uint8, device=DEV)
     for rows in (0, 3, -4):
         with pytest.raises(ValueError, match=f"rows must be a power of two, got {rows}"):
-            nvfp4_dequantize(data, scale, torch.tensor(0.5), rows=rows)
+            nvfp4_dequantize(data, scale, torch.tensor(0.5, device=DEV), rows=rows)

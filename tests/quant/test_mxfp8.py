@@ -318,7 +318,8 @@ def test_auto_backend_sends_dtypes_the_kernel_lacks_to_the_reference(monkeypatch
     ((2, 64), (2,), -1),     # a scale without the row dim
     ((2, 64), (1, 2, 2), -1),
     ((64, 2), (2, 3), -2),   # columnwise: a scale column too many
-    ((), (), -1),            # a 0-d tensor has no 1x32 block
+    ((64, 2), (2,), -2),     # columnwise: a 1-d scale (nothing to transpose)
+    ((64, 64), (2, 64), -1),  # a columnwise scale read rowwise
 ])
 def test_dequantize_refuses_a_scale_of_another_shape(data_shape, scale_shape, axis):
     """One E8M0 scale per 32 elements along ``axis``: any other shape is named, not broadcast or crashed on."""
@@ -326,3 +327,34 @@ def test_dequantize_refuses_a_scale_of_another_shape(data_shape, scale_shape, ax
     scale = torch.randint(120, 130, scale_shape, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"scale shape .* does not match data shape"):
         dequantize_mxfp8(data, scale, axis=axis)
+
+
+@pytest.mark.parametrize("data_shape, axis, match", [
+    ((), -1, r"at least 1 dims, got shape \(\)"),             # a 0-d tensor has no 1x32 block
+    ((2, 64), 5, r"axis must be -1 \(rowwise\) or -2"),      # once wrapped modulo the rank to dim 1
+    ((2, 64), -3, r"axis must be -1 \(rowwise\) or -2"),     # once wrapped to dim 1
+    ((64, 4, 32), 0, r"axis must be -1 \(rowwise\) or -2"),  # quantize_mxfp8 never blocks dim 0 of 3-D
+    ((64,), -2, r"axis must be -1 \(rowwise\) or -2"),       # columnwise needs two dims
+])
+def test_dequantize_takes_the_axes_quantize_takes(data_shape, axis, match):
+    """An axis ``quantize_mxfp8`` refuses is refused here too, not wrapped into another dim."""
+    data = torch.randint(0, 0x7F, data_shape, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=match):
+        quantize_mxfp8(torch.randn(data_shape), axis=axis)
+    with pytest.raises(ValueError, match=match):
+        dequantize_mxfp8(data, torch.full((2, 2), 127, dtype=torch.uint8), axis=axis)
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (3, 32, 64)])
+def test_columnwise_dequantize_inverts_columnwise_quantize(shape):
+    """axis=-2 (and its positive spelling) decodes what ``quantize_mxfp8(axis=-2)`` encoded, block by block."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 10
+    data, scale = quantize_mxfp8(x, axis=-2)
+    expect = dequantize_mxfp8(data.transpose(-1, -2).contiguous(), scale.transpose(-1, -2).contiguous())
+    for axis in (-2, x.dim() - 2):
+        assert torch.equal(dequantize_mxfp8(data, scale, axis=axis), expect.transpose(-1, -2))
+    err = (dequantize_mxfp8(data, scale, axis=-2).double() - x.double()).abs()
+    amax = x.double().abs().unflatten(-2, (-1, 32)).amax(-2, keepdim=True).expand(*x.shape[:-2], -1, 32, x.shape[-1])
+    # floor scaling puts amax / 2**e in [256, 512): rounding costs <= half an ulp (16 * 2**e <= amax / 16),
+    # saturating to 448 * 2**e costs < 64 * 2**e <= amax / 8 (amax just under 512 * 2**e is the worst case)
+    assert (err <= amax.reshape(x.shape) * 2.0**-3).all()

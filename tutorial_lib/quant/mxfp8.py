@@ -44,9 +44,11 @@ from tutorial_lib.quant.block import (
     BlockScaledTensor,
     abs_bits,
     check_block_shape,
+    check_scale_shape,
     e4m3_bytes_to_fp32,
     exp2_int,
     floor_log2,
+    scale_shape,
     to_e4m3_bytes,
 )
 from tutorial_lib.quant.tensor import add_safe_global
@@ -117,16 +119,32 @@ def e8m0_to_fp32(code: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, *, axis: int = -1, dtype=torch.float32):
-    """Inverse of :func:`quantize_mxfp8`: ``e4m3(data) * 2**(scale - 127)`` in ``dtype``."""
+    """Inverse of :func:`quantize_mxfp8`: ``e4m3(data) * 2**(scale - 127)`` in ``dtype``.
+
+    ``axis`` takes what :func:`quantize_mxfp8` takes (-1 rowwise, -2 columnwise of a >= 2-D tensor), and
+    ``scale`` must have the shape that call returned: one E8M0 code per 32 elements along ``axis``.
+    """
     if data.dtype != torch.uint8 or scale.dtype != torch.uint8:
         raise TypeError(f"MXFP8 data and scale are uint8 buffers, got {data.dtype} and {scale.dtype}")
-    dim = axis % max(data.dim(), 1)
-    want = (*data.shape[:dim], data.shape[dim] // MX_BLOCK, *data.shape[dim + 1:]) if data.dim() else ()
-    if not want or data.shape[dim] % MX_BLOCK or tuple(scale.shape) != want:
-        raise ValueError(f"scale shape {tuple(scale.shape)} does not match data shape {tuple(data.shape)}: "
-                         f"one E8M0 scale per {MX_BLOCK} elements along dim {axis} of a >= 1-D tensor "
-                         f"(expected {want})")
-    s = e8m0_to_fp32(scale).repeat_interleave(MX_BLOCK, dim=dim)
+    if axis in (-1, data.dim() - 1):
+        check_block_shape(data.shape, (MX_BLOCK,), what="MX")
+        check_scale_shape(data.shape, scale.shape, (MX_BLOCK,), what="MX")
+        return _dequantize_rowwise(data, scale, dtype)
+    if axis in (-2, data.dim() - 2) and data.dim() >= 2:
+        data_t = data.transpose(-1, -2)
+        check_block_shape(data_t.shape, (MX_BLOCK,), what="MX (columnwise)")
+        want = scale_shape(data_t.shape, (MX_BLOCK,))
+        want = (*want[:-2], want[-1], want[-2])  # [..., M/32, K]: the blocked dim in data's layout
+        if tuple(scale.shape) != want:
+            raise ValueError(f"MX (columnwise) scale shape {list(scale.shape)} does not match data shape "
+                             f"{list(data.shape)}: one scale per {MX_BLOCK}x1 block is shape {list(want)}")
+        return _dequantize_rowwise(data_t, scale.transpose(-1, -2), dtype).transpose(-1, -2)
+    raise ValueError(f"axis must be -1 (rowwise) or -2 (columnwise) of a >=2-D tensor, got {axis} "
+                     f"for a {data.dim()}-D tensor")
+
+
+def _dequantize_rowwise(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    s = e8m0_to_fp32(scale).repeat_interleave(MX_BLOCK, dim=-1)
     return (e4m3_bytes_to_fp32(data) * s).to(dtype)
 
 
