@@ -186,7 +186,8 @@ def test_argument_contract_errors_name_the_argument_and_value(backend):
     x, codes = torch.ones(4, device=DEV), torch.zeros(4, dtype=torch.uint8, device=DEV)
     with pytest.raises(TypeError, match="expected a torch.Tensor, got list"):
         backend.cast_current_scaling([1.0, 2.0], "e4m3")
-    for eps, shown in ((1e300, r"1e\+300"), ("x", "'x'"), (None, "None")):  # no fp32 value: not finite / not a number
+    for eps, shown in ((1e300, r"1e\+300"), ("x", "'x'"), (None, "None"), (0.0, "0.0"), (1e-45, "1e-45")):
+        # 1e300 is a finite Python float but no fp32; 1e-45 is one (the smallest subnormal) but 448 / it is not
         with pytest.raises(ValueError, match=f"amax_eps={shown} must be finite, > 0"):
             backend.cast_current_scaling(x, "e4m3", amax_eps=eps)
     with pytest.raises(ValueError, match=r"per-tensor FP8 format must be one of \('e4m3', 'e5m2'\), got 'e3m4'"):
