@@ -56,7 +56,8 @@ held in lockstep by CTA-wide barriers. Two ways get it:
 
 ``benchmarks/bench_fp8_gemm.py --sweep`` times every variant.
 
-Interpreter (CPU): Triton's interpreter gets low-precision ``tl.dot`` wrong, so there the codes
+Interpreter (CPU): Triton's interpreter mishandles low-precision ``tl.dot`` (Triton 3.9: FP8 goes through
+fp16 and loses E5M2 subnormals, bf16 comes out wrong), so there the codes
 are decoded to fp32 (``tutorial_kernels.fp8_round.decode_fp8``, exact) and multiplied with an fp32
 ``ieee`` dot; one small fixed config. Its loops follow the package's rule for runtime loop bounds
 (``tutorial_kernels``' docstring): the k-block count arrives as the constexpr ``K_BLOCKS``, the

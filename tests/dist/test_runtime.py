@@ -99,3 +99,20 @@ def test_cpu_work_next_to_compiled_kernels_is_refused_with_the_fix(monkeypatch):
     monkeypatch.setattr(runtime, "triton_mode", lambda: "interpreted")
     runtime.require_kernels_for("cpu")
     runtime.require_kernels_for(torch.device("cpu"))
+
+
+def test_deterministic_cuda_is_strict_so_ops_take_their_deterministic_variant(monkeypatch):
+    """warn_only=True would let an op that has a deterministic variant (the flash-attention backward) run its
+    atomic-add one and only warn: the mode must be strict, and the cuBLAS workspace set unless the caller set one."""
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        runtime.deterministic_cuda()
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == runtime.CUBLAS_DETERMINISTIC_WORKSPACE
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+        runtime.deterministic_cuda()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"  # the caller's choice is kept
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])

@@ -298,6 +298,24 @@ def test_auto_for_blockwise_prefers_torch_then_triton_then_emulation(monkeypatch
     assert resolve_backend("tensorwise", "auto", "cpu") == ("torch" if fp8_cores else "emulated")
 
 
+@pytest.mark.parametrize("cuda_build, capability, want", [
+    ("13.0", (9, 0), True), ("12.9", (9, 0), True),
+    ("12.8", (9, 0), False),  # torch refuses 1x128 / 128x128 scaling before cuBLASLt 12.9 (NotImplementedError)
+    (None, (9, 0), False),    # a CPU or ROCm build
+    ("13.0", (10, 0), False), ("13.0", (8, 9), False),
+])
+def test_torch_blockwise_needs_sm90_and_a_cuda_12_9_build(monkeypatch, cuda_build, capability, want):
+    """On an H100 with a torch built for CUDA 12.8, "auto" must pick the Triton kernel, not a torch call that raises."""
+    monkeypatch.setattr(torch.version, "cuda", cuda_build)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(scaled_mm_module, "fp8_tensor_cores", lambda device: True)
+    assert blockwise_tensor_cores("cuda:0") is want
+    assert resolve_backend("1x128x128x128", "auto", "cuda:0") == ("torch" if want else "triton")
+    if not want:
+        with pytest.raises(ValueError, match=rf"a torch built with CUDA >= 12.9 \(this one: {cuda_build}\)"):
+            resolve_backend("1x128x128x128", "torch", "cuda:0")
+
+
 def test_the_gemm_never_dequantizes_its_operands(monkeypatch):
     """Strict dispatch (any fallback raises) and dequantize() itself refused: the GEMM reads codes and scales."""
     def refuse(self, dtype=None):

@@ -151,9 +151,14 @@ def deterministic_cuda() -> None:
     first use in the process (the launcher sets it in every CUDA rank for this reason);
     ``use_deterministic_algorithms`` covers torch's own kernels. Without them a resumed loss on GPUs
     (lesson 10) can differ from the uninterrupted run in the last bits.
+
+    ``warn_only=False`` on purpose: with ``warn_only=True`` an op that HAS a deterministic variant may
+    still run its faster one and only warn -- the flash-attention backward does (its dQ sums key blocks
+    with atomic adds), so a transformer's gradients would vary between runs. Strict mode picks the
+    deterministic variant, and an op that has none raises instead of silently breaking bit-exactness.
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True, warn_only=False)
 
 
 def triton_mode() -> str:

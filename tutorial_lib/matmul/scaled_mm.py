@@ -28,22 +28,23 @@ scales are applied in the epilogue. What the hardware path accepts, and what to 
     device                CUDA, compute capability >= 8.9 (tensor cores with FP8)
 
 FP8 *blockwise* (1x128 activations x 128x128 weights, one fp32 scale per block, cuBLASLt on
-sm_90 only) has its own rules, see :func:`blockwise_mm`: E4M3 only, K a multiple of 128, N of 16
-(128 for 128x128 tiles), M of 4, no ``use_fast_accum``; A's 1x128 scales [M, K/128] stored
-M-major, B's 128x128 scales K-block-major padded to a multiple of 4 K-blocks. Our
+sm_90 only, torch built for CUDA >= 12.9) has its own rules, see :func:`blockwise_mm`: E4M3 only, K a
+multiple of 128, N of 16 (128 for 128x128 tiles), M of 4, no ``use_fast_accum``; A's 1x128 scales
+[M, K/128] stored M-major, B's 128x128 scales K-block-major padded to a multiple of 4 K-blocks. Our
 tensors keep their scales row-major, so the torch backend re-lays out the *scales* (1/32 of A's
 bytes, 1/4096 of B's); the FP8 operands themselves are never copied here.
 
 Backends (``backend=``): ``"torch"`` (the tensor cores through torch; per-tensor also runs on CPU through
-torch's own CPU kernel, which has no row-wise scales), ``"triton"`` (blockwise only: the repository's
-``tutorial_kernels.fp8_gemm``), ``"emulated"`` (codes decoded to fp32 -- exact --, multiplied with fp32
-accumulation, scales applied per tensor / row / 128-wide K block as the hardware does: an EMULATION of the
-FP8 GEMM and the CPU path, :mod:`tutorial_lib.matmul.emulation`). MXFP8 and NVFP4 need MX tensor cores (not
-on Hopper): :func:`emulated_mm` multiplies any two quantized tensors by dequantizing them to fp32 -- an
-emulation, named so in :data:`GEMM_CALLS`. ``"auto"``: CUDA with FP8 tensor cores -> ``"torch"`` (blockwise:
-sm_90 -> torch, other FP8-capable GPUs -> triton, both pairings); CPU -> ``"emulated"``. Every call is
-counted in :data:`GEMM_CALLS` by (scaling, backend), so a caller can tell what ran. On CPU all backends
-agree up to accumulation order (FP8 products are exact in fp32).
+torch's own CPU kernel -- not row-wise there: CPU support for row-wise scales varies by torch version),
+``"triton"`` (blockwise only: the repository's ``tutorial_kernels.fp8_gemm``), ``"emulated"`` (codes
+decoded to fp32 -- exact --, multiplied with fp32 accumulation, scales applied per tensor / row / 128-wide
+K block as the hardware does: an EMULATION of the FP8 GEMM and the CPU path,
+:mod:`tutorial_lib.matmul.emulation`). MXFP8 and NVFP4 need MX tensor cores (not on Hopper):
+:func:`emulated_mm` multiplies any two quantized tensors by dequantizing them to fp32 -- an emulation,
+named so in :data:`GEMM_CALLS`. ``"auto"``: CUDA with FP8 tensor cores -> ``"torch"`` (blockwise: sm_90
+with a torch built for CUDA >= 12.9 -> torch, other FP8-capable GPUs -> triton, both pairings); CPU ->
+``"emulated"``. Every call is counted in :data:`GEMM_CALLS` by (scaling, backend), so a caller can tell
+what ran. On CPU all backends agree up to accumulation order (FP8 products are exact in fp32).
 
 :func:`fp8_mm` and :func:`blockwise_mm` check everything on every call. Code that makes its
 operands itself (the FP8 linear layer) checks them once with :func:`check_fp8_gemm` /
@@ -113,11 +114,17 @@ def fp8_tensor_cores(device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+BLOCKWISE_MIN_CUDA = (12, 9)
+"""torch built against an older CUDA refuses 1x128 / 128x128 scaling ("requires cublasLt >= 12.9")."""
+
+
 def blockwise_tensor_cores(device) -> bool:
-    """True where cuBLASLt runs 1x128 / 128x128 blockwise FP8 (sm_90 only) and torch exposes it."""
+    """True where torch runs 1x128 / 128x128 blockwise FP8 on cuBLASLt: an sm_90 GPU, a torch built
+    with CUDA >= :data:`BLOCKWISE_MIN_CUDA` (``torch.version.cuda``) that has ``F.scaled_mm``."""
     device = torch.device(device)
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-            and hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"))
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return (device.type == "cuda" and cuda >= BLOCKWISE_MIN_CUDA and hasattr(F, "scaled_mm")
+            and hasattr(F, "ScalingType") and torch.cuda.get_device_capability(device)[0] == 9)
 
 
 _RESOLVED: dict = {}
@@ -165,8 +172,9 @@ def _resolve(scaling: str, backend: str, device: torch.device) -> str:
         raise ValueError("backend='torch' on CPU: torch's CPU _scaled_mm implements per-tensor scales only (some "
                          "versions accept row-wise scales, others assert); use backend='emulated'")
     if backend == "torch" and blockwise and not blockwise_tensor_cores(device):
-        raise ValueError(f"backend='torch' for blockwise FP8 needs a CUDA sm_90 GPU and torch.nn.functional.scaled_mm "
-                         f"(device {device}): use backend='emulated' (or 'triton')")
+        raise ValueError(f"backend='torch' for blockwise FP8 needs a CUDA sm_90 GPU, a torch built with CUDA >= "
+                         f"{'.'.join(map(str, BLOCKWISE_MIN_CUDA))} (this one: {torch.version.cuda}) and "
+                         f"torch.nn.functional.scaled_mm (device {device}): use backend='emulated' (or 'triton')")
     return backend
 
 
