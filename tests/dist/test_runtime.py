@@ -102,8 +102,9 @@ def test_cpu_work_next_to_compiled_kernels_is_refused_with_the_fix(monkeypatch):
 
 
 def test_deterministic_cuda_is_strict_so_ops_take_their_deterministic_variant(monkeypatch):
-    """warn_only=True would let an op that has a deterministic variant (the flash-attention backward) run its
-    atomic-add one and only warn: the mode must be strict, and the cuBLAS workspace set unless the caller set one."""
+    """warn_only=True lets an op that has a deterministic variant (a fused attention backward) run its
+    nondeterministic one and only warn: the mode must be strict, and the cuBLAS workspace set unless the caller
+    set one."""
     was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     try:

@@ -153,8 +153,8 @@ def deterministic_cuda() -> None:
     (lesson 10) can differ from the uninterrupted run in the last bits.
 
     ``warn_only=False`` on purpose: with ``warn_only=True`` an op that HAS a deterministic variant may
-    still run its faster one and only warn -- the flash-attention backward does (its dQ sums key blocks
-    with atomic adds), so a transformer's gradients would vary between runs. Strict mode picks the
+    still run its faster one and only warn -- the fused attention backwards (cuDNN's, flash's) do, so
+    two identical runs of a transformer end with different weights. Strict mode picks the
     deterministic variant, and an op that has none raises instead of silently breaking bit-exactness.
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)

@@ -197,9 +197,13 @@ def main_grad_pitfall(dim: int = 48, hidden: int = 96, n_blocks: int = 2, batch:
                       seed: int = 0) -> MainGradPitfallResult:
     """(a) and (c) with full-shape ``main_grad`` buffers made before sharding, then (b); see the module docstring.
 
-    The default widths divide evenly over 1, 2, 3, 4, 6 and 8 ranks, so every shard has the same rows."""
+    The default widths divide evenly over 1, 2, 3, 4, 6 and 8 ranks, so every shard has the same rows; widths that
+    do not divide evenly over the world size are refused."""
     mesh, dev = world_mesh()
     rank, ws = dist.get_rank(), dist.get_world_size()
+    if dim % ws or hidden % ws:  # every rank raises, before any collective
+        raise ValueError(f"dim={dim} and hidden={hidden} must split evenly over {ws} ranks: (c) compares the full "
+                         f"buffers with world_size x one rank's shard; pick multiples of {ws}")
     # the single-process reference: the same init, the mean of every rank's loss
     ref = PitfallNet(dim, hidden, n_blocks, _plain, seed).to(dev)
     sum(F.mse_loss(ref(x), y) for x, y in (_batch(seed, r, 0, batch, dim, dev) for r in range(ws))).div(ws).backward()
