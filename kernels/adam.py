@@ -127,8 +127,9 @@ def adamw_math(w, g, m, v, step_size, bc2_sqrt, decay, lerp_w, beta2, one_minus_
     """AdamW on fp32 registers: torch.optim.AdamW's single-tensor formula and op order (see
     tutorial_lib.optim.adamw_reference) except the last line. The kernel divides first,
     ``w - step_size * (m / denom)``; torch's CPU ``addcdiv`` multiplies first, ``w + (-step_size * m) / denom``.
-    The two may round the update differently, so kernel and reference agree within a few fp32
-    roundings per step (``adamw_tolerance``), not bit for bit."""
+    The two may round the update differently (and the moments, where torch's CPU lerp/addcmul fuse a
+    multiply-add), so kernel and reference agree within a few fp32 roundings per step
+    (``adamw_tolerance``), not bit for bit."""
     w = w * decay
     # torch's lerp: self + w * (end - self) for small weights, end - (end - self) * (1 - w) otherwise
     m = tl.where(lerp_w < 0.5, m + lerp_w * (g - m), g - (g - m) * (1.0 - lerp_w))

@@ -125,6 +125,38 @@ def test_multi_tensor_fp32_matches_reference_over_12_steps():
         _close_state(v, rv)
 
 
+def _adamw_eps_before_correction_(p, g, m, v, step, lr, betas, eps, weight_decay):
+    """A plausible bug: eps added to sqrt(v) BEFORE the bias correction, ``(sqrt(v) + eps) / bc2_sqrt``."""
+    b1, b2 = betas
+    p.mul_(1 - lr * weight_decay)
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    p.addcdiv_(m, (v.sqrt() + eps) / (1 - b2**step) ** 0.5, value=-lr / (1 - b1**step))
+
+
+def test_eps_placement_is_checked_where_eps_is_comparable_to_sqrt_v():
+    """With O(1) gradients and eps = 1e-8 it barely matters where eps is added; with gradients ~1e-6 and
+    eps = 1e-6 it decides the step. The kernels must match the reference there too, and a kernel that added
+    eps before the bias correction would be far outside the bound (shown on a torch copy of that bug)."""
+    hp = dict(HP, eps=1e-6)
+    shapes = [(130,), (3, 5)]
+    params, ms, vs = _state(shapes, 5)
+    ref = [(p.clone(), m.clone(), v.clone()) for p, m, v in zip(params, ms, vs)]
+    bug = [(p.clone(), m.clone(), v.clone()) for p, m, v in zip(params, ms, vs)]
+    for step in range(1, 7):
+        grads = [_rand(s, 77 * step + i, scale=1e-6) for i, s in enumerate(shapes)]
+        k.fused_adamw_(params, grads, ms, vs, [step] * len(shapes), block=BLOCK, **hp)
+        for (rp, rm, rv), (bp, bm, bv), g in zip(ref, bug, grads):
+            adamw_reference_step_(rp, g, rm, rv, step, **hp)
+            _adamw_eps_before_correction_(bp, g, bm, bv, step, **hp)
+    for p, m, v, (rp, rm, rv), (bp, _, _) in zip(params, ms, vs, ref, bug):
+        _close(p, rp, lr=hp["lr"])
+        _close_state(m, rm)
+        _close_state(v, rv)
+        # the bug moves each element by a good fraction of lr less per step: > 1e4 x the bound's floor
+        assert (bp - rp).abs().max().item() > 1e4 * 1e-6 * hp["lr"]
+
+
 def test_per_tensor_step_counts_and_skipped_tensors():
     """Tensors at different steps get their own bias corrections; grad address 0 = untouched."""
     shapes = [(33,), (65,), (10,)]

@@ -17,8 +17,9 @@ What DCP does with one quantized parameter, and where this module steps in::
 Why the planners exist (lesson 10 reproduces each):
 
 * DCP's default load copies a chunk into ``target[rows]``; when the target's scale differs from the
-  checkpoint's (a fresh model) that partial-view copy REQUANTIZES with the target's stale scale:
-  saturated or rounded values, no error. Loading without resharding happens to hide it.
+  checkpoint's (a fresh model) that partial-view copy REQUANTIZES the whole target with the target's
+  quantizer (a later chunk meets the scale the previous one left): rows rounded twice, the first time
+  onto another grid, no error. Loading without resharding happens to hide it.
 * Pickling the quantizer into every chunk drags Python classes (weights_only allowlists) and
   per-run state into the file, and the target keeps its own quantizer anyway: quantizer state is
   saved explicitly instead (``tutorial_lib.dist.extra_state``).

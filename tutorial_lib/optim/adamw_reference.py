@@ -15,7 +15,9 @@ It follows ``torch.optim.AdamW``'s single-tensor path op for op, so on the CPU i
 The Triton kernels (``tutorial_kernels.adam``) compute the same formula in fp32, in the same order
 except the last line: they divide first, ``param - step_size * (exp_avg / denom)``, where torch's CPU
 ``addcdiv`` (and so this reference) computes ``param + (-step_size * exp_avg) / denom``. That may round
-the update differently: kernel and reference agree within :func:`adamw_tolerance`, not bit for bit.
+the update differently, and where torch's CPU ``lerp_`` / ``addcmul_`` fuse a multiply-add that the kernels
+round twice, the moments may differ in the last bit too: kernel and reference agree within
+:func:`adamw_tolerance`, not bit for bit.
 The kernels take the two step-dependent scalars from ``adam_step_scalars`` (float64, then rounded
 to fp32 once) so the bias corrections are never computed in fp32: ``1 - 0.999 ** 1`` in fp32 is off by ~1.3e-5 relative.
 Those scalars are the host-side half of the kernel's math, so they are defined once, in
@@ -86,12 +88,13 @@ def adamw_tolerance(steps: int, max_abs_weight: float, lr: float, roundings: int
     """``steps * roundings * eps * (max_abs_weight + lr)``: how far two correct fp32 AdamW runs may
     drift apart after ``steps`` steps on the same gradients (eps: fp32 machine epsilon).
 
-    Two implementations may order the update's fp32 operations differently (the kernels compute
+    Two implementations may order or fuse the update's fp32 operations differently (the kernels compute
     ``step_size * (m / denom)``, this reference ``addcdiv``), so a step may round differently: the
     update, of the order of ``lr``, by a rounding or two (at most ``eps * lr`` each), and the new
     weight by one rounding (at most ``eps * max_abs_weight``). ``roundings`` such roundings per step,
-    added over the steps. A real bug (a wrong sign, a missing bias correction) is off by a fraction
-    of ``lr`` per step: orders of magnitude outside.
+    added over the steps. A wrong sign or a missing bias correction is off by a fraction of ``lr`` per
+    step: orders of magnitude outside. Where ``eps`` is added shows only where ``eps`` is comparable to
+    ``sqrt(v_hat)`` (tiny gradients or a large ``eps``): test that case on its own.
     """
     if steps < 0 or max_abs_weight < 0 or lr < 0:
         raise ValueError(f"adamw_tolerance needs steps, max_abs_weight, lr >= 0, got {steps}, {max_abs_weight}, {lr}")
