@@ -6,7 +6,7 @@ propagation per op over the parameter lists); FusedAdam unwraps each parameter's
 per step and launches the same kernel either way. Goal: FusedAdam's DTensor/plain ratio <= 1.05.
 Each rank holds 2,000 local shards of 49,000 elements (98M params per rank: the small-tensor case
 of bench_adam.py), each step timed from an idle GPU (``latency_ms``: host work in full; the runs recorded
-on 2026-11-30 used do_bench, which hides host work up to its L2 flush's length); rank 0's times are
+on 2026-11-30 used do_bench, which hides host work while the GPU's work per call takes longer); rank 0's times are
 reported, and every
 rank's DTensor/plain ratio: the median of 9 round-by-round ratios, the two variants taking turns (a
 step of 2,000 parameters is host-bound and the host's speed drifts; see

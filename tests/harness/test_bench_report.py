@@ -87,3 +87,13 @@ def test_a_newest_run_without_rounds_ranges_its_ratio_over_the_runs_medians(tmp_
         (tmp_path / f"kern-GPU_x1-{date[:10]}.json").write_text(json.dumps(doc))
     row = next(line for line in results_markdown(tmp_path).splitlines() if line.startswith("| kern "))
     assert [cell.strip() for cell in row.split("|")[1:-1]][4] == "2.00x (2.00x-3.00x)"
+
+
+def test_the_per_rank_ratios_name_how_the_case_was_timed(tmp_path):
+    """A case recorded without "timing" ran under do_bench (kernel time, host work hidden): its DTensor/plain
+    ratios must not be labelled a latency; one recorded with ``"timing": "latency"`` is."""
+    base = {**case("adam", 1.0, peers={"peer": 2.0}, nbytes=1, copy_GBps=100.0),
+            "dtensor_over_plain": {"FusedAdam": [0.857, 0.894]}}
+    assert "DTensor/plain per rank, kernel time (do_bench): \\[0.857, 0.894\\]" in _row(tmp_path, base)[1]
+    latency = _row(tmp_path, {**base, "timing": "latency"}, "k2")[1]
+    assert "DTensor/plain per rank, latency: \\[0.857, 0.894\\]" in latency

@@ -53,10 +53,11 @@ def bench_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 20, *, device
     """Median ms of ``fn()``: ``do_bench`` (its own warm-up and reps) if ``fn`` works on CUDA -- ``device``, by
     default CUDA whenever it is present -- else ``rep`` host-timed calls after ``warmup`` untimed ones.
 
-    CUDA: the time of the KERNELS, not of the host. ``do_bench`` queues an L2 flush, then the start event, then
-    calls ``fn``; the host reaches ``fn`` while the GPU is still flushing, so host work up to the flush's length
-    (a memset of the L2-sized buffer: tens of microseconds) is hidden, and no synchronisation between calls
-    lets the host run ahead of a GPU-bound ``fn``. For a step whose host work matters use :func:`latency_ms`."""
+    CUDA: the GPU's span from a start to an end event around each call, not the host's time. ``do_bench`` queues
+    an L2 flush (zeroing a 256 MiB buffer), then the start event, then calls ``fn``, and never synchronises
+    between calls: while the GPU's work per call (flush + kernels) takes longer than the host's, the host runs
+    ahead and its work is hidden entirely; only a host slower than that shows, in part. For a step whose host
+    work matters use :func:`latency_ms`."""
     if _on_cuda(device):
         import triton.testing
 

@@ -151,7 +151,9 @@ def _cell(text: str) -> str:
 def _case_label(c: dict) -> str:
     """The case name, plus the per-rank ratios a multi-rank case records (every rank, not just rank 0)."""
     label = c["name"]
-    for key, what in (("dtensor_over_plain", "latency"), ("dtensor_over_plain_back_to_back", "back to back"),
+    timing = c.get("timing", "kernels")  # how the case's rounds were timed: name it, never assume a latency
+    timed = {"kernels": "kernel time (do_bench)"}.get(timing, timing)
+    for key, what in (("dtensor_over_plain", timed), ("dtensor_over_plain_back_to_back", "back to back"),
                       ("dtensor_over_plain_new_grads_host", "new grads, host")):
         ratios = c.get(key, {}).get("FusedAdam")
         if ratios:

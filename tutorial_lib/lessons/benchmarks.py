@@ -142,7 +142,7 @@ def _params(sizes: list[int], device, seed: int = 0) -> list[nn.Parameter]:
 
 
 def live_benchmarks(device: str | torch.device, quick: bool, rounds: int = 5) -> list[LiveCase]:
-    """Three cases on ``device``, each against its peers in the same alternating rounds: FusedAdam on
+    """Two cases on ``device``, each against its peers in the same alternating rounds: FusedAdam on
     many small tensors (CUDA: its step captured in a CUDA graph, vs torch's fused capturable AdamW
     in a graph), and MXFP8 parameters requantized inside the Adam kernel vs two passes."""
     device = torch.device(device)
