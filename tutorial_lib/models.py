@@ -71,8 +71,8 @@ _M32 = 0xFFFFFFFF
 
 
 def chunk_elems(device) -> int:
-    """Elements generated per step: bounds the generator's temporaries (~24 B/element: 0.2 MB on CPU,
-    25 MB on GPU), so a peak-memory measurement sees the model, not the generator."""
+    """Elements generated per step: bounds the generator's temporaries (a few tens of bytes per element
+    generated), so a peak-memory measurement sees the model, not the generator."""
     return 1 << 20 if torch.device(device).type == "cuda" else 1 << 13
 
 

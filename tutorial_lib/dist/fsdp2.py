@@ -253,7 +253,7 @@ def _pre_all_gather(self: QuantizedTensor, mesh, outer_size=None):
 
 
 def _fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-    """FSDP2 hook (torch >= 2.5 form): this rank's quantized buffers, padded to the padded shard rows."""
+    """FSDP2 hook (its 5-argument form): this rank's quantized buffers, padded to the padded shard rows."""
     return _pre_all_gather(self, mesh, outer_size)
 
 

@@ -8,9 +8,9 @@ shard buffer -- padded first (``new_zeros`` of the new tensor, then a copy) only
 from the padded shard size (a short rank of an uneven shard), otherwise its ``view(-1)`` as is. Its
 comment names ``load_state_dict(assign=True)`` as a supported way to replace parameters. A plain fp32
 shard swapped into a bf16 model comes out of the first forward with an fp32 shard buffer
-(``plain_swap_buffer_dtypes``). (The all-gather output buffers are separate: allocated at each
+(``plain_swap_buffer_dtypes``). (The all-gather output buffers are separate: allocated at the first
 all-gather, sized from the all-gather inputs -- for a parameter with hooks, what
-``fsdp_pre_all_gather`` returns.)
+``fsdp_pre_all_gather`` returns -- then only their storage is freed and resized between all-gathers.)
 
 What breaks the quantized swap is the test ``reset_sharded_param`` uses to see whether the parameter
 changed: while the old shard buffer is a plain tensor, it compares its ``untyped_storage().data_ptr()``

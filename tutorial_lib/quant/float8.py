@@ -379,7 +379,8 @@ class DelayedScaling(_PerTensorQuantizer):
     The scale used by call ``t`` comes from amaxes of calls ``< t`` (``algo="max"`` over the
     last ``history_len`` or ``"most_recent"``), divided by ``2**margin`` for headroom. It
     starts at 1.0. A non-finite or zero amax is recorded in ``amax_history`` but leaves the
-    scale unchanged, so a step that overflowed does not poison the scale."""
+    scale unchanged, so a step that overflowed does not poison the scale -- for as long as it stays
+    in the history (``algo="max"``: ``history_len`` calls, the history's max being non-finite too)."""
 
     def __init__(self, fmt: str = "e4m3", history_len: int = 16, algo: str = "max", margin: int = 0, group=None,
                  *, pow2_scales: bool = False, amax_eps: float = 1e-12, backend: str = "auto"):

@@ -37,7 +37,7 @@ Example::
 
     from tutorial_lib.quant.formats import FORMATS, encode, decode, all_values
     FORMATS["e4m3"].max                      # 448.0
-    codes = encode(torch.tensor([1.0, 500.0, 1e-3]), "e4m3")   # uint8
+    codes = encode(torch.tensor([1.0, 500.0, 1e-3]), "e4m3", saturate=True)   # uint8
     decode(codes, "e4m3")                    # tensor([1.0, 448.0, 0.001953125]): saturated; 1e-3 -> 2**-9
     all_values("e5m2")                       # the sorted finite grid, 247 values
 """
