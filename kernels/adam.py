@@ -107,8 +107,9 @@ def adam_step_scalars(step: float, lr: float, beta1: float, beta2: float) -> tup
 def adam_step_scalars_tensor(steps: torch.Tensor, lr: float, beta1: float, beta2: float) -> torch.Tensor:
     """``adam_step_scalars`` for a vector of step counts: an fp32 ``[2, n]`` table on ``steps``' device.
 
-    Row 0 is ``step_size``, row 1 ``bias_correction2_sqrt``; computed in float64 and rounded once,
-    exactly like the Python scalars (tested). Steps below 1 (tensors not updated yet) are clamped
+    Row 0 is ``step_size``, row 1 ``bias_correction2_sqrt``; computed in float64 (``torch.pow``, whose
+    last bit may differ from Python's ``**``) and rounded to fp32 once: equal to the Python scalars after
+    that rounding (tested). Steps below 1 (tensors not updated yet) are clamped
     to 1 so the table stays finite; the kernel skips those tensors anyway.
     """
     s = steps.to(torch.float64).clamp_min(1.0)

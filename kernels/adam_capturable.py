@@ -16,10 +16,12 @@ Bit for bit the host path's numbers: the host computes ``beta**s`` with Python's
 library's ``pow``), which a GPU's ``pow`` does not reproduce to the last bit, so the powers are
 not recomputed on the device but tabulated once on the host by the same Python expression
 (:func:`bias_correction_table`). The table ends at the first step ``S`` where both corrections
-are exactly 1.0 in float64 (they stay 1.0 after it; for betas (0.9, 0.999) S is about 37,000,
-a 0.6 MB table), and the kernel clamps the step to ``S``. The division ``lr / (1 - beta1**s)``
+are exactly 1.0 in float64 (they stay 1.0 after it; for betas (0.9, 0.999) S is about 36,000,
+a 0.58 MB table), and the kernel clamps the step to ``S``. The division ``lr / (1 - beta1**s)``
 and the decay are IEEE float64 operations (correctly rounded on every backend, fused
-multiply-adds switched off), then rounded to fp32 once -- exactly what the host does.
+multiply-adds switched off), then rounded to fp32 once -- exactly what the host does for a step
+count shared by a group. (Per-tensor step counts take ``adam_step_scalars_tensor``'s float64
+``torch.pow`` on the host, whose last bit may differ from ``**``: equal after the fp32 rounding, tested.)
 
 Example::
 

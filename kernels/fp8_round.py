@@ -3,8 +3,9 @@
 Why: Triton's *interpreter* (``TRITON_INTERPRET=1``, our CPU mode) converts fp32 -> fp8 and
 fp32 -> bf16 with its own bit-field rounding: carries into the next exponent are lost (31 -> 16),
 ties round away from zero, an E4M3 NaN becomes a finite code and out-of-range values land on
-codes that decode to NaN, inf or a wrong finite value (Triton 3.x). Compiled for a GPU, ``.to(tl.float8e4nv)`` is the hardware's
-``cvt.rn.satfinite`` (RNE, +-inf and overflow -> +-max, NaN -> NaN): already right.
+codes that decode to NaN, inf or a wrong finite value (Triton 3.x). Compiled for a GPU,
+``.to(tl.float8e4nv)`` is the hardware's ``cvt.rn.satfinite`` (RNE, +-inf and overflow -> +-max,
+NaN -> NaN): already right.
 
 So ``encode_fp8`` picks per backend (the constexpr ``INTERPRETED``, fixed at import, like
 ``@triton.jit`` itself):

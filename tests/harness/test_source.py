@@ -46,3 +46,14 @@ def test_show_source_prints_a_header_with_file_and_line(capsys):
     out = capsys.readouterr().out
     assert out.strip() == text.strip()
     assert text.splitlines()[0] == f"# test_source.py:{inspect.getsourcelines(_sample)[1] + 3}"
+
+
+def test_a_decorated_function_is_headed_by_its_own_file():
+    """``@torch.no_grad()`` wraps the function in torch's ``_contextlib``: the header must still name the
+    function's own file (``getsourcefile`` does not unwrap; ``getsourcelines`` does)."""
+    from tutorial_lib.optim.adamw_reference import adamw_reference_step_
+
+    assert inspect.getsourcefile(adamw_reference_step_).endswith("_contextlib.py")  # the trap is still there
+    header = show_source(adamw_reference_step_).splitlines()[0]
+    first = inspect.getsourcelines(adamw_reference_step_)[1]
+    assert header == f"# tutorial_lib/optim/adamw_reference.py:{first}", header

@@ -53,7 +53,7 @@ def source_lines(obj, *, start: str | None = None, end: str | None = None) -> li
 def show_source(obj, *, start: str | None = None, end: str | None = None) -> str:
     """Print (and return) the lines :func:`source_lines` selects, headed by ``file:line``."""
     picked = source_lines(obj, start=start, end=end)
-    path = Path(inspect.getsourcefile(obj) or "?")
+    path = Path(inspect.getsourcefile(inspect.unwrap(obj)) or "?")  # a decorated function: its own file
     parts = path.parts
     root = next((p for p in ("tutorial_lib", "kernels") if p in parts), None)
     short = "/".join(parts[len(parts) - 1 - parts[::-1].index(root):]) if root else path.name
