@@ -67,6 +67,10 @@ def test_scoped_flatten_is_a_zero_copy_byte_alias(fmt):
     with pytest.raises(RawBytesError):
         torch.matmul(raw[:4].view(2, 2), raw[:4].view(2, 2))
     assert type(raw[:8]) is RawBytes and "RawBytes(8 bytes of" in repr(raw[:8])
+    for convert in (lambda: raw.to(torch.float32), lambda: raw.view(torch.float8_e4m3fn), lambda: raw.float()):
+        with pytest.raises(RawBytesError, match="on RawBytes: these are the raw bytes"):
+            convert()  # a dtype change reads the bytes as numbers: refused like arithmetic
+    assert torch.equal(raw.to("cpu"), raw) and raw.view(torch.uint8).dtype == torch.uint8
 
 
 def test_scope_allows_only_flatten_and_only_in_its_thread():

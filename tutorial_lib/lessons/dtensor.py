@@ -7,7 +7,7 @@ each rank holds a *local* tensor::
                            rank 0: rows 0-1    rank 0: cols 0-2    rank 0: all      rank 0: x0
                            rank 1: rows 2-3    rank 1: cols 3-5    rank 1: all      rank 1: x1   (x = x0 + x1)
 
-Every op on a DTensor first runs DTensor's ``__torch_dispatch__`` (sharding propagation: which
+Every op on a DTensor first goes through DTensor's dispatch (sharding propagation: which
 placements the output has, which collectives the inputs need), then the op on the LOCAL
 tensors. When a local tensor is a :class:`~tutorial_lib.quant.tensor.QuantizedTensor`, that
 second step lands in *its* ``__torch_dispatch__``: ops in its table (views, ``clone``, ``copy_``,

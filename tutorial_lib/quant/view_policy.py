@@ -9,8 +9,9 @@ row of K. Yet FSDP2 flattens every local shard::
     module.to()/_apply     reset_sharded_param                (same)
     load_state_dict        post-hook -> reset_sharded_param   (same)
 
-With all-gather hooks (``fsdp_pre_all_gather``) FSDP2 never reads ``_sharded_param_data``; it
-only keeps it. What should ``view(-1)`` return? Three policies, chosen here::
+With all-gather hooks (``fsdp_pre_all_gather``) FSDP2 never all-gathers ``_sharded_param_data``,
+but ``reset_sharded_param`` inspects its type and storage. What should ``view(-1)`` return? Three
+policies, chosen here::
 
     policy                     view(-1) inside FSDP2        view(-1) anywhere else
     -------------------------  ---------------------------  ----------------------------------
@@ -130,7 +131,8 @@ def view_policy(policy: str) -> Iterator[None]:
 def allow_flat_views(result: str = "raw_bytes") -> Iterator[None]:
     """Scoped allowance: inside the block (this thread only) a flatten to 1-D of a quantized tensor
     returns ``RawBytes`` (``result="raw_bytes"``, zero copy) or a dequantized copy
-    (``result="dequantize"``, kept for comparison). Any other disallowed view still raises."""
+    (``result="dequantize"``, kept for comparison). Any other disallowed view goes to the global policy
+    (strict: raises)."""
     if result not in SCOPED_RESULTS:
         raise ValueError(f"result must be one of {SCOPED_RESULTS}, got {result!r}")
     install_view_policy()
@@ -203,7 +205,7 @@ def install_view_policy() -> None:
 class RawBytes(torch.Tensor):
     """A zero-copy ``uint8`` alias of a quantized tensor's element bytes -- not its values.
 
-    Byte-moving ops (views, slices, copy_, clone, .to, equality) work and stay ``RawBytes``;
+    Byte-moving ops (views, slices, copy_, clone, ``.to(device)``, ``torch.equal``) work and stay ``RawBytes``;
     anything that would treat the bytes as numbers (add, matmul, sum, ...) raises RawBytesError.
     ``source`` names what the bytes encode.
     """
@@ -227,6 +229,11 @@ class RawBytes(torch.Tensor):
             )
         out = super().__torch_function__(func, types, args, kwargs or {})
         for o in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(o, RawBytes) and o.dtype != torch.uint8:  # .to(float32), .view(float8): bytes as numbers
+                raise RawBytesError(
+                    f"{name} to {o.dtype} on RawBytes: these are the raw bytes of {src or 'a quantized tensor'}, "
+                    "not numbers. Dequantize the quantized tensor for values (or .as_subclass(torch.Tensor) first)."
+                )
             if isinstance(o, RawBytes) and src is not None:
                 o.__dict__.setdefault("source", src)
         return out
