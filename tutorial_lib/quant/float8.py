@@ -21,12 +21,14 @@ only some kernels (``==``, ``abs``, ``cat``, indexing, float8 ``*`` float8 run; 
 ``sum``, ``max``, ``<`` and ``torch.equal`` raise "not implemented"), has no ``.numpy()``, plain
 ``pickle`` of it fails on load, and gloo rejects it in every collective (on torch 2.13;
 ``tests/quant/test_float8.py`` checks each). uint8 has none of these problems. The float8 dtype is
-only used for one exact cast in :meth:`Float8Tensor.dequantize`.
+only used for two exact casts at the edges: the encode in ``per_tensor.quantize_per_tensor`` and the
+decode in :meth:`Float8Tensor.dequantize`.
 
 One scale for the whole tensor makes every view exact: a view of the codes with the same
 ``scale_inv`` *is* the view of the values. So ``view``/``reshape``/``t``/``transpose``/
 ``permute``/``slice``/``select``/``split``/``chunk``/``narrow`` all stay quantized and alias the
-original bytes (their wrappers share the ``_scale_inv`` tensor object).
+original bytes (their wrappers share the ``_scale_inv`` tensor object); a ``reshape`` that cannot be a
+view copies the bytes, still quantized.
 
 The one subtlety is writing into a *partial* view (``q[0].copy_(x)``): the scale is shared with
 elements outside the view. Without a quantizer the write keeps the shared scale (values beyond

@@ -419,7 +419,9 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) 
     dst                   src                           what happens
     ====================  ============================  ========================================
     plain                 quantized                     dequantize (straight to dst's dtype)
-    quantized             quantized, same class+meta    raw buffer copy: bit-exact, no rounding
+    quantized             quantized, same class+meta    raw buffer copy: bit-exact, no rounding (into a
+                          and shape                     partial view, which keeps its shared scale: the
+                                                        bytes if the scales match, else requantize)
     quantized             plain (or other format)       requantize: dst.quantizer.quantize_into,
                                                         else the format's own rule (FP8: keep scale)
     ====================  ============================  ========================================
