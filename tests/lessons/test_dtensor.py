@@ -193,6 +193,10 @@ def test_identical_shards_pitfall_and_fix(lesson05):
         assert torch.equal(naive[:3], naive[3:])  # every rank drew the same numbers
         assert torch.equal(p.naive_local, naive[:3])
         assert not torch.equal(naive, ref)
+        # the naive recipe itself, run unsharded with the same seed, builds another model (its rows differ)
+        single = p.naive_single
+        assert single.shape == naive.shape and not torch.equal(naive, single)
+        assert not torch.equal(single[:3], single[3:])
         assert torch.equal(p.fixed_full, ref)
         assert p.all_params_equal_reference
 

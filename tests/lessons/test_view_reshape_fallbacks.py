@@ -66,5 +66,10 @@ def test_real_fsdp2_flattening_under_each_policy():
         assert all(not layer.stale and layer.extra_bytes == 0 for layer in nv_scoped)
         assert all(layer.stale and layer.extra_bytes > 3 * layer.quantized_bytes for layer in nv_warn)  # FP4: 4x
         for report in (mx, nv):  # lazy init's reset_sharded_param reads the kept flat tensor's storage
-            assert "invalid python storage" in report.policies["warn_dequantize"].forward_error
+            warn = report.policies["warn_dequantize"]
+            assert "invalid python storage" in warn.forward_error
+            # raised in torch's own reset_sharded_param (below our wrapper that re-enters the scoped allowance)
+            raised_in = "torch/distributed/fsdp/_fully_shard/_fsdp_param.py:reset_sharded_param"
+            assert warn.forward_error_raised_in == raised_in
             assert report.policies["scoped"].forward_error is None
+            assert report.policies["scoped"].forward_error_raised_in is None

@@ -166,6 +166,7 @@ class InitPitfallResult:
     fixed_full: torch.Tensor  # the gathered weight after counter-based init
     reference: torch.Tensor  # the single-process model's weight, same seed
     all_params_equal_reference: bool  # every counter-initialised parameter equals the reference
+    naive_single: torch.Tensor  # the naive recipe (manual_seed + nn.init) run on the unsharded model, same seed
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -288,5 +289,7 @@ def init_pitfall_demo(dim: int = 8, hidden: int = 6, seed: int = 0) -> InitPitfa
     fixed_full = fc1().full_tensor()
     ref = BlockMLP(dim, hidden, 1, seed=seed).to(dev)  # the single-process model with the same seed
     all_equal = all(torch.equal(p.full_tensor(), r.detach()) for p, r in zip(model.parameters(), ref.parameters()))
+    single = BlockMLP(dim, hidden, 1, seed=seed).to(dev)
+    naive_reset_parameters(single, seed)  # the naive recipe in one process: what the script meant to build
     return InitPitfallResult(dist.get_rank(), naive_local, naive_full, fixed_full,
-                             ref.blocks[0].fc1.weight.detach(), all_equal)
+                             ref.blocks[0].fc1.weight.detach(), all_equal, single.blocks[0].fc1.weight.detach())

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import traceback
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -93,6 +95,7 @@ class FlatShardPolicy:
     layers: list[FlatShardLayer]  # one per layer (empty if fully_shard raised)
     allocated_delta: int | None  # torch.cuda.memory_allocated growth across fully_shard (None on CPU / error)
     forward_error: str | None = None  # the first forward's error (lazy init re-flattens every shard); None: it ran
+    forward_error_raised_in: str | None = None  # "file:function" of the frame that raised it, path below torch/
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,18 +188,22 @@ def fsdp2_flat_shard_report(fmt: str = "mxfp8", n_layers: int = 4, dim: int = 25
             continue
         delta = (torch.cuda.memory_allocated(dev) - before) if cuda else None
         layers = [_kept_flat_shard(lin) for lin in model]
-        outcomes[policy] = FlatShardPolicy(policy, None, layers, delta, _first_forward(model, dim, contexts[policy]))
+        outcomes[policy] = FlatShardPolicy(policy, None, layers, delta, *_first_forward(model, dim, contexts[policy]))
     return FlatShardReport(fmt, n_layers, dim, outcomes)
 
 
-def _first_forward(model: nn.Module, dim: int, context) -> str | None:
+def _first_forward(model: nn.Module, dim: int, context) -> tuple[str | None, str | None]:
     """Run the model once under the policy: FSDP2's lazy init calls ``reset_sharded_param`` on every
-    shard, which compares the kept flat tensor's storage with the shard's. Returns the error, or None."""
+    shard, which compares the kept flat tensor's storage with the shard's. Returns the error and where it
+    was raised (the innermost frame, its path from ``torch/`` on), or two Nones."""
     x = torch.randn(4, dim, device=rank_device(), dtype=torch.bfloat16)
     try:
         with context(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model(x).float().sum().item()
     except Exception as exc:  # the lesson shows the error a first forward raises
-        return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
-    return None
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        path = Path(frame.filename).as_posix()
+        where = f"{path[path.rfind('/torch/') + 1:] if '/torch/' in path else Path(path).name}:{frame.name}"
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())}", where
+    return None, None
