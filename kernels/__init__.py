@@ -24,5 +24,9 @@ if not torch.cuda.is_available():
 
 
 def interpreted() -> bool:
-    """True when the kernels run in Triton's CPU interpreter rather than compiled."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when the kernels run in Triton's CPU interpreter rather than compiled: ``TRITON_INTERPRET`` read
+    the way Triton reads it when it decorates a kernel (``1``, ``true``, ``on``, ``yes`` in any case; ``0``,
+    ``false``, ``2``... are compiled)."""
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)

@@ -186,6 +186,34 @@ def test_rank_device_outside_launch():
         rank_device()
 
 
+def test_results_reach_the_caller_detached_and_on_the_cpu_in_every_container():
+    """Every tensor the result holds is visited (detached, moved to the CPU): in dicts, lists, tuples, named
+    tuples, sets and dataclasses, init=False fields included, whose values are the rank's, not recomputed."""
+    import collections
+    import dataclasses
+
+    Pair = collections.namedtuple("Pair", "a b")
+
+    @dataclasses.dataclass(frozen=True)
+    class Res:
+        x: torch.Tensor
+        derived: torch.Tensor = dataclasses.field(init=False, default=None)
+
+    def leaf():
+        return torch.randn(3, requires_grad=True) * 1  # a non-leaf that requires grad: detach is visible
+
+    res = Res(leaf())
+    object.__setattr__(res, "derived", leaf())
+    t_in_set = leaf()
+    obj = {"list": [leaf()], "tuple": (leaf(),), "pair": Pair(leaf(), [leaf()]), "set": {t_in_set}, "res": res}
+    out = launcher._to_cpu(obj)
+    assert isinstance(out["pair"], Pair) and isinstance(out["set"], set) and isinstance(out["res"], Res)
+    tensors = [out["list"][0], out["tuple"][0], out["pair"].a, out["pair"].b[0], *out["set"], out["res"].x,
+               out["res"].derived]
+    assert all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.requires_grad for t in tensors)
+    assert torch.equal(out["res"].derived, res.derived) and torch.equal(next(iter(out["set"])), t_in_set)
+
+
 _SCRIPT = textwrap.dedent(
     """
     import dataclasses, json, sys

@@ -117,3 +117,16 @@ def test_deterministic_cuda_is_strict_so_ops_take_their_deterministic_variant(mo
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"  # the caller's choice is kept
     finally:
         torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+
+
+@pytest.mark.parametrize("value, interp", [("1", True), ("true", True), ("On", True), ("YES", True), ("0", False),
+                                           ("false", False), ("off", False), ("no", False), ("2", False), ("", False)])
+def test_triton_interpret_is_read_the_way_triton_reads_it(monkeypatch, value, interp):
+    """``TRITON_INTERPRET=false`` compiles the kernels (Triton's own parsing): reports must not say "interpreted"."""
+    import triton
+    from tutorial_kernels import interpreted
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert bool(triton.knobs.runtime.interpret) is interp  # what triton.jit consults when it decorates a kernel
+    assert interpreted() is interp
+    assert runtime.triton_mode() == ("interpreted" if interp or not torch.cuda.is_available() else "compiled")

@@ -27,7 +27,9 @@ How it works::
 Design choices, each for a reason ``tests/dist/test_launcher.py`` exercises:
 
 * **torch's own process machinery** (``torch.multiprocessing.start_processes`` with ``spawn``):
-  children die with the kernel (parent-death signal), and a failed rank terminates the rest.
+  children get a parent-death signal (SIGINT) when the caller's process dies, and a failed rank terminates
+  the rest. Python handles that signal only between bytecodes: a rank blocked inside a collective lives on
+  until ``collective_timeout`` ends the call.
 * **The caller binds the rendezvous port** (``TCPStore`` on port 0), so concurrent launches
   on one machine can never pick the same port, and **each launch has its own temp dir**,
   removed on success and failure alike; ranks' ``TMPDIR`` points inside it.
@@ -140,15 +142,22 @@ def run_sequence(calls: list) -> list:
 
 
 def _to_cpu(obj: Any) -> Any:
-    """Move tensors in a (nested) result to the CPU so the caller never initialises CUDA."""
+    """Move tensors in a (nested) result to the CPU so the caller never initialises CUDA: tensors in dicts,
+    lists, tuples (named ones too), sets and dataclasses. A tensor inside any other object travels as it is."""
     if isinstance(obj, torch.Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
         return {k: _to_cpu(v) for k, v in obj.items()}
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # typed results of rank functions
-        return dataclasses.replace(obj, **{f.name: _to_cpu(getattr(obj, f.name))
-                                           for f in dataclasses.fields(obj) if f.init})
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        fields = dataclasses.fields(obj)
+        out = dataclasses.replace(obj, **{f.name: _to_cpu(getattr(obj, f.name)) for f in fields if f.init})
+        for f in fields:  # init=False fields: replace() recomputes them; keep the rank's values (frozen too)
+            if not f.init and hasattr(obj, f.name):
+                object.__setattr__(out, f.name, _to_cpu(getattr(obj, f.name)))
+        return out
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple takes its fields as arguments
+        return type(obj)(*(_to_cpu(v) for v in obj))
+    if isinstance(obj, (list, tuple, set, frozenset)):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
 

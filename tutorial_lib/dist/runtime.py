@@ -163,8 +163,9 @@ def deterministic_cuda() -> None:
 
 def triton_mode() -> str:
     """``"interpreted"`` or ``"compiled"``: how the Triton kernels will run here."""
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    if interp or not torch.cuda.is_available():
+    import triton  # TRITON_INTERPRET as Triton parses it ("true", "on", ... too)
+
+    if triton.knobs.runtime.interpret or not torch.cuda.is_available():
         return "interpreted"
     return "compiled"
 
