@@ -18,8 +18,11 @@ JSON); the others time kernels (``bench_ms``).
 Each FusedAdam case also records ``kernel_only_ms`` (the launches with the step's host work taken
 out), ``back_to_back_ms`` (GPU time per step over 50 steps issued back to back) and
 ``host_ms_per_step`` (the host's wall time per step): which of host and kernel bounds the step.
-The FP8 case times the kernel launch alone (delayed-scaling bookkeeping is per-parameter torch
-work, reported separately as "FusedAdam.step incl. amax history").
+The FP8 case times the kernel launch alone; the whole ``FusedAdam.step`` on Float8Tensor parameters with
+delayed scaling (scales gathered, the launch, amax history and next scales) is recorded beside it
+(``fused_adam_step_incl_amax_history_ms``), and where its time goes: ``fused_adam_step_split`` holds the
+GPU time per step issued back to back, the host's time per step, the time from an idle GPU (``latency_ms``)
+and, on a GPU, the device time per kernel of a profiled step (``device_time_by_kernel``).
 
 Run on a GPU (results into benchmarks/results/)::
 
@@ -32,21 +35,26 @@ The FSDP2 (DTensor vs plain parameters) case needs 2 GPUs: ``benchmarks/bench_ad
 from __future__ import annotations
 
 import gc
+import time
 
 import torch
 import tutorial_kernels.adam as k  # first: sets TRITON_INTERPRET=1 on a CPU-only machine
 import tutorial_kernels.adam_tables as kt
+from torch.profiler import ProfilerActivity, profile
 
 from tutorial_lib.harness.bench import (
     alternating_case,
     benchmark_args,
     case,
     copy_bandwidth_GBps,
+    latency_ms,
     split_sizes,
     time_back_to_back,
     write_results,
 )
 from tutorial_lib.harness.bench import bench_ms as _bench_ms
+from tutorial_lib.harness.kernel_ranges import device_time_by_kernel
+from tutorial_lib.harness.profiling import quiet_profiler
 from tutorial_lib.optim.adamw_reference import adam_bytes_per_element, adam_step_scalars_tensor
 from tutorial_lib.optim.fused_adam import FusedAdam
 from tutorial_lib.quant.float8 import DelayedScaling
@@ -186,7 +194,9 @@ def fp8_case(name, sizes, device, configs, copy) -> dict:
     del masters, grads, ms, vs, outs, tables, peers, ours
     _free()
     c.update({"config": best, "sweep_ms": sweep})
-    c["fused_adam_step_incl_amax_history_ms"] = _fp8_optimizer_ms(sizes, device)
+    whole, split = _fp8_optimizer_ms(sizes, device)
+    c["fused_adam_step_incl_amax_history_ms"] = whole
+    c["fused_adam_step_split"] = split
     return c
 
 
@@ -204,8 +214,9 @@ def _torch_fp8_peer(masters, grads, scales):
     return step  # the caller times it next to ours, then drops it (params and state go with it)
 
 
-def _fp8_optimizer_ms(sizes, device) -> float:
-    """FusedAdam.step() on Float8Tensor params with DelayedScaling: kernel + per-param amax history."""
+def _fp8_optimizer_ms(sizes, device) -> tuple[float, dict]:
+    """FusedAdam.step() on Float8Tensor params with DelayedScaling: kernel + per-param amax history; on a GPU
+    and where the step's time goes (:func:`_step_split`)."""
     g = torch.Generator(device=device).manual_seed(2)
     params = []
     for n in sizes:
@@ -216,9 +227,36 @@ def _fp8_optimizer_ms(sizes, device) -> float:
     opt = FusedAdam(params, **HP, master_weights=True)
     opt.step()
     ms = bench_ms(opt.step)
+    split = _step_split(opt.step, device)
     del opt, params
     _free()
-    return ms
+    return ms, split
+
+
+def _step_split(step, device, profiled_steps: int = 5, top: int = 8) -> dict:
+    """Where one optimizer step's time goes: GPU ms per step issued back to back and the host's ms per step
+    (on the CPU both are the wall clock), ms from an idle GPU (host work in full), and the device ms and
+    launches per step of the ``top`` kernels (memcpy/memset included) of a profiled loop (none on the CPU)."""
+    cuda = device.type == "cuda"
+    if cuda:
+        b2b = time_back_to_back(step)
+    else:
+        t = time.perf_counter()
+        for _ in range(profiled_steps):
+            step()
+        wall = (time.perf_counter() - t) * 1e3 / profiled_steps
+        b2b = {"back_to_back_ms": wall, "host_ms": wall}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with quiet_profiler(), profile(activities=activities) as prof:
+        for _ in range(profiled_steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    kernels = device_time_by_kernel(prof.events(), steps=profiled_steps)
+    return {"back_to_back_ms": round(b2b["back_to_back_ms"], 4), "host_ms": round(b2b["host_ms"], 4),
+            "latency_ms": round(latency_ms(step, device=device), 4),
+            "device_ms_total": round(sum(us for us, _ in kernels.values()) / 1e3, 4),
+            "kernels": {name: [round(us / 1e3, 4), n] for name, (us, n) in list(kernels.items())[:top]}}
 
 
 

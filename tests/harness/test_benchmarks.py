@@ -60,6 +60,11 @@ def test_quick_run_writes_a_results_file(script, tmp_path):
         assert {c["timing"] for c in doc["cases"] if "(profiler)" not in c["name"]} == {"latency"}
     if script == "bench_adam.py":  # the host-bound 2,000-tensor case is timed from an idle GPU, host work in full
         assert [c.get("timing") for c in doc["cases"][:2]] == ["kernels", "latency"]
+        fp8 = doc["cases"][3]  # the whole FusedAdam FP8 step, and where its time went (device kernels: GPU only)
+        split = fp8["fused_adam_step_split"]
+        assert fp8["fused_adam_step_incl_amax_history_ms"] > 0 and min(
+            split[k] for k in ("back_to_back_ms", "host_ms", "latency_ms")) > 0
+        assert (split["kernels"] != {}) == torch.cuda.is_available() and split["device_ms_total"] >= 0
     if script == "bench_host_overhead.py":  # host time per call, the GPU kept busy: no device time at all
         assert {c["timing"] for c in doc["cases"]} == {"host"}
     if script == "bench_adam_fsdp2.py":  # latencies: never pooled with the runs do_bench timed

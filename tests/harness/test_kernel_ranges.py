@@ -8,7 +8,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from tutorial_lib.harness.kernel_ranges import LAUNCH_CALL, exact_name, kernel_time_by_range
+from tutorial_lib.harness.kernel_ranges import LAUNCH_CALL, device_time_by_kernel, exact_name, kernel_time_by_range
 
 CPU, CUDA = DeviceType.CPU, DeviceType.CUDA
 
@@ -145,3 +145,22 @@ def test_exact_name_matches_one_label_and_nothing_else():
     assert not p.match("fp8_linearXquantize") and not p.match("fp8_linear.quantize_t")
     assert not p.match("x fp8_linear.quantize")
     assert exact_name("a (1)+").match("a (1)+") and not exact_name("a (1)+").match("a 1")
+
+
+def test_device_time_by_kernel_sums_every_device_activity_per_name_largest_first():
+    events = [_ev("cuLaunchKernelEx", CPU, 1, 0, 0, 1), _ev("adam_kernel", CUDA, 1, 0, 10, 40),
+              _ev("cudaLaunchKernel", CPU, 2, 0, 2, 3), _ev("amax", CUDA, 2, 0, 41, 45),
+              _ev("cuLaunchKernelEx", CPU, 3, 0, 4, 5), _ev("adam_kernel", CUDA, 3, 0, 50, 80),
+              _ev("Memcpy HtoD", CUDA, 9, 0, 81, 82),          # no launch call recorded: counted all the same
+              _ev("step", CUDA, 7, 0, 0, 90, ann=True),         # a range's GPU-side copy: not device work
+              _ev("aten::add", CPU, 8, 0, 0, 1)]
+    assert device_time_by_kernel(events) == {"adam_kernel": (60.0, 2), "amax": (4.0, 1), "Memcpy HtoD": (1.0, 1)}
+    assert device_time_by_kernel(events, steps=2) == {"adam_kernel": (30.0, 1), "amax": (2.0, 0.5),
+                                                      "Memcpy HtoD": (0.5, 0.5)}
+    assert list(device_time_by_kernel(events)) == ["adam_kernel", "amax", "Memcpy HtoD"]
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        device_time_by_kernel(events, steps=0)
+    x = torch.randn(64, 64)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        x @ x
+    assert device_time_by_kernel(prof.events()) == {}

@@ -50,7 +50,7 @@ from collections import defaultdict
 
 from torch.autograd import DeviceType
 
-__all__ = ["LAUNCH_CALL", "RangeKernelTime", "exact_name", "kernel_time_by_range"]
+__all__ = ["LAUNCH_CALL", "RangeKernelTime", "device_time_by_kernel", "exact_name", "kernel_time_by_range"]
 
 LAUNCH_CALL = re.compile(r"^cu(da)?[A-Z]")
 """Names of CUDA runtime/driver API calls (``cudaLaunchKernel``, ``cuLaunchKernelEx``, ``cudaMemcpyAsync``, ...).
@@ -128,3 +128,20 @@ def kernel_time_by_range(events, ranges: dict[str, re.Pattern], *, same_thread: 
                 device_us[key] += k.time_range.end - k.time_range.start
                 kernels[key] += 1
     return RangeKernelTime(device_us, kernels, unlinked)
+
+
+def device_time_by_kernel(events, steps: int = 1) -> dict[str, tuple[float, int]]:
+    """Where the device time of a profiled block went: per kernel name (memcpy/memset included), the device
+    microseconds and the number of launches, each divided by ``steps`` -- largest time first. Every device
+    activity counts, whoever launched it (Triton's kernels too); a CPU-only profile gives ``{}``.
+    ``steps``: how many repetitions the profile holds (per-step figures for a profiled loop)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    us: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    for e in events:
+        if _is_device_activity(e):
+            us[e.name] += e.time_range.end - e.time_range.start
+            count[e.name] += 1
+    return {name: (us[name] / steps, count[name] // steps if count[name] % steps == 0 else count[name] / steps)
+            for name in sorted(us, key=us.get, reverse=True)}
