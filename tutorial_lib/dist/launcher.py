@@ -27,9 +27,8 @@ How it works::
 Design choices, each for a reason ``tests/dist/test_launcher.py`` exercises:
 
 * **torch's own process machinery** (``torch.multiprocessing.start_processes`` with ``spawn``):
-  children get a parent-death signal (SIGINT) when the caller's process dies, and a failed rank terminates
-  the rest. Python handles that signal only between bytecodes: a rank blocked inside a collective lives on
-  until ``collective_timeout`` ends the call.
+  a failed rank terminates the rest; children get SIGINT when the caller dies (parent-death signal), which
+  a rank blocked inside a collective handles only when ``collective_timeout`` ends the call.
 * **The caller binds the rendezvous port** (``TCPStore`` on port 0), so concurrent launches
   on one machine can never pick the same port, and **each launch has its own temp dir**,
   removed on success and failure alike; ranks' ``TMPDIR`` points inside it.
@@ -151,14 +150,12 @@ def _to_cpu(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # typed results of rank functions
         fields = dataclasses.fields(obj)
         out = dataclasses.replace(obj, **{f.name: _to_cpu(getattr(obj, f.name)) for f in fields if f.init})
-        for f in fields:  # init=False fields: replace() recomputes them; keep the rank's values (frozen too)
-            if not f.init and hasattr(obj, f.name):
-                object.__setattr__(out, f.name, _to_cpu(getattr(obj, f.name)))
+        for f in [f for f in fields if not f.init and hasattr(obj, f.name)]:  # replace() recomputes these
+            object.__setattr__(out, f.name, _to_cpu(getattr(obj, f.name)))  # the rank's values (frozen too)
         return out
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple takes its fields as arguments
-        return type(obj)(*(_to_cpu(v) for v in obj))
     if isinstance(obj, (list, tuple, set, frozenset)):
-        return type(obj)(_to_cpu(v) for v in obj)
+        items = [_to_cpu(v) for v in obj]  # a namedtuple takes its fields as arguments
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
     return obj
 
 
