@@ -73,3 +73,26 @@ def test_real_fsdp2_flattening_under_each_policy():
             assert warn.forward_error_raised_in == raised_in
             assert report.policies["scoped"].forward_error is None
             assert report.policies["scoped"].forward_error_raised_in is None
+
+
+def _report_with_updates_that_never_land(fmt: str) -> FlatShardReport:
+    """Rank function: the flat-shard report while a quantized copy_ writes nothing (a lost optimizer update)."""
+    from tutorial_lib.quant.tensor import QuantizedTensor
+
+    table, op = QuantizedTensor._dispatch_table, torch.ops.aten.copy_.default
+    handler = table[op]
+    table[op] = lambda func, args, kwargs: args[0]
+    try:
+        return fsdp2_flat_shard_report(fmt, n_layers=1, dim=64, policies=("scoped",))
+    finally:
+        table[op] = handler
+
+
+@pytest.mark.distributed
+def test_an_update_that_never_reaches_the_shard_reads_as_stale_even_through_an_alias():
+    """"Follows updates" needs the parameter's bytes to have CHANGED and the flat alias to show them: an alias of
+    bytes that no update reached is no evidence (it would equal itself whatever happened)."""
+    for report in launch(_report_with_updates_that_never_land, world_size=2, device="cpu", args=("mxfp8",),
+                         timeout=120):
+        (layer,) = report.policies["scoped"].layers
+        assert layer.flat_type == "RawBytes uint8" and layer.extra_bytes == 0 and layer.stale

@@ -141,13 +141,18 @@ def _kept_flat_shard(lin: nn.Module) -> FlatShardLayer:
     """Inspect one fully_shard-ed layer's flat shard, then requantize its shard in place (an optimizer step)."""
     (fsdp_param,) = fsdp_params(lin)
     flat, local = fsdp_param._sharded_param_data, local_tensor(lin.weight)
-    data = local.raw_buffers()[local._buffer_names[0]]
+    name = local._buffer_names[0]
+    data = local.raw_buffers()[name]
     alias = flat.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
     old = flat.clone() if not alias else None
+    before = data.clone()
     with torch.no_grad():
         local.copy_(local.dequantize(torch.float32) * 0.5 + 0.01)
-    if alias:
-        stale = not torch.equal(flat.as_subclass(torch.Tensor), data.reshape(-1))
+    if alias:  # the bytes the parameter holds NOW (re-read: an update may have given it new buffers), which
+        now = local_tensor(lin.weight).raw_buffers()[name]  # must have changed, and the flat alias must show them
+        as_bytes = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
+        stale = torch.equal(as_bytes(now), as_bytes(before)) or not torch.equal(
+            as_bytes(flat.as_subclass(torch.Tensor)), as_bytes(now))
     else:
         stale = torch.equal(flat, old) and not torch.equal(
             flat[: local.numel()].float(), local.dequantize(torch.float32).reshape(-1))
