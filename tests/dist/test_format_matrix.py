@@ -20,7 +20,10 @@ Why each cell is bitwise ("exact"), with the one derived bound ("bound"):
   average exactly (scaling by 2 is exact, a two-term sum commutes). Adam is elementwise, and
   requantization sees equal masters and (all-reduced) amaxes. At 3+ ranks the sum order would differ,
   so training cells run on 2 ranks and on a 1-rank group.
-* resume / reshard: ``load_checkpoint`` restores raw bytes and scales by copy; fp32 state is fp32.
+* train also requires that training happened (every quantized weight's bytes moved, every step counted).
+* resume / reshard: ``load_checkpoint`` restores raw bytes and scales by copy; fp32 state is fp32. The
+  async save is in flight while the next step updates the tensors (staging must copy); after a reshard to
+  1 or 2 ranks one more step equals the 2-rank run's next step.
 * export: the fp32 master is exported; requantizing it gives the weight's bytes exactly (the weight
   IS the quantized master). Delayed scaling wrote the weight with a scale from its history, so there
   the check is the round-to-nearest bound ``|dequantize(w) - master| <= (rounding_error_bound(y) +

@@ -6,8 +6,9 @@ One launch at world size W runs, for one registry format, every cell its ranks a
     -------------------   ----------------------   ----------------------------------------------------
     2 (ranks 0-1)         even, uneven, empty      init, unshard, train (FusedAdam), resume-sync/-async
                                                    (+ export for even); saves the even run's checkpoints
+                                                   (the async one while the next step runs)
     1 (rank 0)            even ("one-rank")        the same paths on a 1-rank FSDP2 group; reshard 2->1
-                                                   from the sync and the async checkpoint
+                                                   from the sync and the async checkpoint, then a step
     3 (ranks 0-2)         even                     reshard 2->3 (sync checkpoint)
     4 (ranks 0-3)         even                     reshard 2->4, then saves; reshard 4->2 on ranks 0-1
 
@@ -24,7 +25,12 @@ Why every comparison is bitwise (``"exact"``), except the export of delayed scal
   same matmul shapes). The reference's loss is the mean over the micro-batches; at 2 ranks its
   gradient ``g0/2 + g1/2`` equals FSDP2's reduce-scatter average exactly (scaling by 2 is exact, a
   two-term sum commutes); then Adam is elementwise and requantization sees equal masters.
-* resume/reshard: the load restores raw bytes and scales (``QuantizedLoadPlanner``) and fp32 state.
+* train also checks that training happened: every quantized weight's bytes moved from their init and every
+  step was counted (two untouched models would compare equal).
+* resume/reshard: the load restores raw bytes and scales (``QuantizedLoadPlanner``) and fp32 state. The
+  async save runs while the next step updates the same tensors (on a group of its own): it must have
+  staged a copy. After a reshard to 1 or 2 ranks one more step equals the 2-rank run's next step (1 rank:
+  the mean over both micro-batches, as in train).
 * export: the exported fp32 master, requantized, gives the model's bytes back exactly (the weight
   IS the quantized master); delayed scaling used a scale from its history instead, so there the
   check is the round-to-nearest bound ``|dequantize(w) - master| <= (rounding_error_bound(y) + 2**-22 |y|)
@@ -161,6 +167,27 @@ def _gather_full(group, snap: Snapshot | None) -> dict:
     return assemble_full([s for s in snaps if s is not None])
 
 
+@dataclasses.dataclass
+class _Expected:
+    """What the 2-rank run of the even shape left for the reshard cells: full tensors as saved (after ``steps``
+    steps) and one step later (None when the run had no "resume" path)."""
+
+    saved: dict
+    steps: int
+    after: dict | None
+
+
+def _trained(model, opt, init: Snapshot, steps: int) -> list[str]:
+    """What shows training did NOT happen: a quantized weight whose bytes equal its init, a parameter whose
+    optimizer step count is not ``steps`` (a train cell comparing two untouched models would pass)."""
+    now = snapshot(model.state_dict()).tensors
+    changed = set(mismatched_keys(now, init.tensors))
+    bad = [f"{n}: unchanged by {steps} steps" for n, p in model.named_parameters()
+           if is_quantized(p) and local_tensor(p).numel() and not any(k.startswith(n) for k in changed)]
+    counts = {int(opt.state[p]["step"]) for p in model.parameters() if "step" in opt.state.get(p, {})}
+    return bad + ([] if counts == {steps} else [f"optimizer step counts {sorted(counts)}, not {steps}"])
+
+
 # ----------------------------------------------------------------------------- the cells
 
 
@@ -232,9 +259,11 @@ def _export_cell(cells, shape, ws, model, opt, ref, ref_opt, path, group) -> Non
               "fp32 export == masters; requantized == the weights" + (" (bound for delayed)" if delayed else ""))
 
 
-def _train_and_resume(cells, fmt, shape, size, group, root, paths, steps) -> Snapshot:
-    """On ``group``: init/unshard, ``steps`` FusedAdam steps vs the reference, export, save sync + async,
-    resume from each. Returns the :func:`snapshot` of the saved state."""
+def _train_and_resume(cells, fmt, shape, size, group, save_group, root, paths,
+                      steps) -> tuple[Snapshot, Snapshot | None]:
+    """On ``group``: init/unshard, ``steps`` FusedAdam steps vs the reference, export, save sync + async (the
+    next step taken while the async save runs), resume from each. Returns the :func:`snapshot` of the saved
+    state and, with "resume" in ``paths``, of the state one step later (None without)."""
     ws, rank = group.size(), dist.get_rank()
     mesh = _mesh(group)
     model, opt = _build(fmt, size, mesh)
@@ -242,23 +271,29 @@ def _train_and_resume(cells, fmt, shape, size, group, root, paths, steps) -> Sna
     ranks = range(ws)
     if "train" in paths:
         _unshard_cells(cells, shape, ws, model, ref, group)
+    init = snapshot(model.state_dict())
     same_loss = [torch.equal(_step(model, opt, size[0], s, [rank])[0], _step(ref, ref_opt, size[0], s, ranks)[rank])
                  for s in range(steps)]
     if "train" in paths:
         bad = compare_with_full(_state(model, opt), snapshot(_state(ref, ref_opt)).tensors)
         bad += [f"loss step {i}" for i, ok in enumerate(same_loss) if not ok]
+        bad += _trained(model, opt, init, steps)
         cells.add(shape, "train", ws, "exact", bad, f"{steps} FusedAdam steps: losses, weights, masters, moments")
         if shape in ("even", "one-rank"):
             _export_cell(cells, shape, ws, model, opt, ref, ref_opt, os.path.join(root, f"export-{shape}.safetensors"),
                          group)
     tag = f"{shape}-ws{ws}"
     save_checkpoint({"app": TrainingState(model, opt)}, os.path.join(root, f"{tag}-sync"), process_group=group)
-    save_checkpoint({"app": TrainingState(model, opt)}, os.path.join(root, f"{tag}-async"), mode="async",
-                    process_group=group).result()
     saved_snap = snapshot(_state(model, opt))  # a copy: the run goes on training these tensors
-    if "resume" in paths:
+    # on a group of its own: the save's collectives run in the background while the step's run on `group`
+    pending = save_checkpoint({"app": TrainingState(model, opt)}, os.path.join(root, f"{tag}-async"), mode="async",
+                              process_group=save_group)
+    after = None
+    if "resume" in paths:  # the next step runs WHILE the async save is in flight: it must have staged a copy
         ref_loss = _step(model, opt, size[0], steps, [rank])[0]
         after = snapshot(_state(model, opt))
+    pending.result()
+    if "resume" in paths:
         for mode in ("sync", "async"):
             m2, o2 = _build(fmt, size, mesh)
             load_checkpoint({"app": TrainingState(m2, o2)}, os.path.join(root, f"{tag}-{mode}"), process_group=group)
@@ -267,11 +302,16 @@ def _train_and_resume(cells, fmt, shape, size, group, root, paths, steps) -> Sna
             bad += mismatched_keys(snapshot(_state(m2, o2)).tensors, after.tensors)
             bad += [] if torch.equal(loss, ref_loss) else ["next loss"]
             cells.add(shape, f"resume-{mode}", ws, "exact", bad,
-                      "loaded == saved; next step == the run that never stopped")
-    return saved_snap
+                      "loaded == saved (async: a step ran while it was saved); next step == the run that never "
+                      "stopped")
+    return saved_snap, after
 
 
-def _reshard_cell(cells, fmt, size, group, expected, path, label) -> None:
+def _reshard_cell(cells, fmt, size, group, expected: _Expected, path, label) -> None:
+    """Load the 2-rank (or 4-rank) checkpoint on ``group``; compare every shard with the saved full tensors.
+    At 1 and 2 ranks, then one step: it must equal the 2-rank run's next step exactly -- 2 ranks take their
+    own micro-batch, 1 rank the mean over both (``g0/2 + g1/2``, as in the train cell). At 3 and 4 ranks the
+    reduce-scatter would sum in another order, so no step is compared there."""
     ws = group.size()
     try:
         model, opt = _build(fmt, size, _mesh(group))
@@ -279,8 +319,13 @@ def _reshard_cell(cells, fmt, size, group, expected, path, label) -> None:
         cells.add("even", label, ws, "refused", [], str(exc))
         return
     load_checkpoint({"app": TrainingState(model, opt)}, path, process_group=group)
-    cells.add("even", label, ws, "exact", compare_with_full(_state(model, opt), expected),
-              "every local shard == the rows of the saved full tensors")
+    bad = compare_with_full(_state(model, opt), expected.saved)
+    detail = "every local shard == the rows of the saved full tensors"
+    if expected.after is not None and ws <= 2:
+        _step(model, opt, size[0], expected.steps, [0, 1] if ws == 1 else [dist.get_rank()])
+        bad += [f"after a step: {m}" for m in compare_with_full(_state(model, opt), expected.after)]
+        detail += "; one step later == the 2-rank run's next step"
+    cells.add("even", label, ws, "exact", bad, detail)
 
 
 def format_matrix_run(fmt: str, root: str, paths: tuple[str, ...] = MATRIX_PATHS, steps: int = 2,
@@ -299,6 +344,7 @@ def format_matrix_run(fmt: str, root: str, paths: tuple[str, ...] = MATRIX_PATHS
     rank, world = dist.get_rank(), dist.get_world_size()
     cells, sizes = _Cells(fmt), matrix_sizes(fmt)
     groups = {k: (dist.new_group(list(range(k))) if k < world else dist.group.WORLD) for k in range(1, world + 1)}
+    save_groups = {k: dist.new_group(list(range(k)), backend="gloo") for k in (1, 2) if k <= world}  # async saves
     # Ranks outside a phase's shard group wait for it here, as long as the phase takes: a gloo group
     # (CPU tensors, also next to NCCL) whose timeout is not the launch's short collective timeout.
     phases = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_PHASE_TIMEOUT_S))
@@ -309,13 +355,14 @@ def format_matrix_run(fmt: str, root: str, paths: tuple[str, ...] = MATRIX_PATHS
         for shape in ("even", "uneven", "empty"):
             if sizes[shape] is None or shape not in shapes:
                 continue
-            saved = _train_and_resume(cells, fmt, shape, sizes[shape], groups[2], root, paths, steps) \
-                if rank < 2 else None
-            if shape == "even":  # every rank needs the full tensors the 2-rank run saved
-                expected = _gather_full(phases, saved)
+            saved, after = _train_and_resume(cells, fmt, shape, sizes[shape], groups[2], save_groups[2], root, paths,
+                                             steps) if rank < 2 else (None, None)
+            if shape == "even":  # every rank needs the full tensors the 2-rank run saved, and one step later
+                expected = _Expected(_gather_full(phases, saved), steps,
+                                     _gather_full(phases, after) if "resume" in paths else None)
             dist.barrier(group=phases)
     if rank == 0 and "one-rank" in shapes:
-        _train_and_resume(cells, fmt, "one-rank", sizes["even"], groups[1], root, paths, steps)
+        _train_and_resume(cells, fmt, "one-rank", sizes["even"], groups[1], save_groups[1], root, paths, steps)
     dist.barrier(group=phases)
     if "reshard" in paths:
         even = sizes["even"]
