@@ -10,7 +10,8 @@ where GPUs are visible -- and the tests then check the results:
   the reference sees the same micro-batches (same matmul shapes on the same data) and FSDP2's
   gradient average over 2 ranks is exact (a halving and a two-term sum); see
   ``train_compare``. Per-tensor FP8 with uneven shards and reshard_after_forward
-  True and False, MXFP8, NVFP4 and FP8 128x128 blockwise, and the older 1-argument hook form; on
+  True and False, per-tensor FP8 with delayed scaling, MXFP8, NVFP4 (1x16 and 16x16) and FP8 blockwise
+  (1x128 and 128x128), and the older 1-argument hook form; on
   GPUs also with the compute stream lagging behind the host (FSDP2's prefetch reuses freed memory);
 * bytes: every all-gather moves exactly the quantized buffers (codes + per-block scales; a
   per-tensor scale travels as metadata), computed here from the shapes, independently of the library;
@@ -41,6 +42,9 @@ SCENARIOS = {
     "mxfp8": (train_compare, dict(dim=32, hidden=64, n_blocks=1, steps=2, recipe="mxfp8")),
     "nvfp4_16x16": (train_compare, dict(dim=32, hidden=64, n_blocks=1, steps=2, recipe="nvfp4_16x16")),
     "fp8_128x128": (train_compare, dict(dim=256, hidden=256, n_blocks=1, steps=2, recipe="fp8_128x128")),
+    "fp8_delayed": (train_compare, dict(dim=32, hidden=64, n_blocks=2, steps=3, recipe="fp8_delayed")),
+    "fp8_1x128": (train_compare, dict(dim=128, hidden=256, n_blocks=1, steps=2, recipe="fp8_1x128")),
+    "nvfp4_1x16": (train_compare, dict(dim=32, hidden=64, n_blocks=1, steps=2, recipe="nvfp4_1x16")),
     "allgather": (allgather_demo, dict(dim=32, hidden=64, n_blocks=2)),
     "pitfalls": (pitfall_demo, dict(dim=32, hidden=64)),
 }
@@ -93,7 +97,7 @@ def _gather_bytes(dim, hidden, n_blocks, recipe, plain_bytes):
         rows, k = _rows(shape[0]), (shape[1] if len(shape) > 1 else 1)
         if not is_weight or recipe == "bf16":
             total += rows * k * plain_bytes
-        elif recipe == "fp8":  # E4M3 codes; the one fp32 scale is metadata, not all-gathered
+        elif recipe in ("fp8", "fp8_delayed"):  # E4M3 codes; the one fp32 scale is metadata, not all-gathered
             total += rows * k
         elif recipe == "mxfp8":  # codes + one E8M0 byte per 1x32 block
             total += rows * k + rows * (k // 32)
@@ -101,6 +105,12 @@ def _gather_bytes(dim, hidden, n_blocks, recipe, plain_bytes):
             total += rows * k // 2 + (rows // 16) * (k // 16)
         elif recipe == "fp8_128x128":  # codes + one fp32 scale per 128x128 tile
             total += rows * k + (rows // 128) * (k // 128) * 4
+        elif recipe == "fp8_1x128":  # codes + one fp32 scale per 1x128 block of a row
+            total += rows * k + rows * (k // 128) * 4
+        elif recipe == "nvfp4_1x16":  # two E2M1 codes per byte + one E4M3 byte per 1x16 block (global scale: metadata)
+            total += rows * k // 2 + rows * (k // 16)
+        else:
+            raise ValueError(f"no byte formula for {recipe!r}")
     return total
 
 
