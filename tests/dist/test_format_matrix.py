@@ -65,7 +65,8 @@ def _cells(fmt: str) -> list[tuple[str, str, int, str]]:
         out += [(shape, p, 2, "exact") for p in TRAIN_PATHS]
     out += [("one-rank", p, 1, "exact") for p in TRAIN_PATHS]
     export = "bound" if fmt == "fp8_delayed" else "exact"
-    out += [("even", "export", 2, export), ("one-rank", "export", 1, export)]
+    out += [(shape, "export", 2, export) for shape in ("even", "uneven", "empty") if sizes[shape] is not None]
+    out.append(("one-rank", "export", 1, export))
     for path, ws in RESHARDS:
         refused = fmt == "fp8_128x128" and ws == 3  # 512 rows over 3 ranks cut through 128-row blocks
         out.append(("even", path, ws, "refused" if refused else "exact"))

@@ -5,7 +5,7 @@ One launch at world size W runs, for one registry format, every cell its ranks a
     shard group (ranks)   shape                    paths
     -------------------   ----------------------   ----------------------------------------------------
     2 (ranks 0-1)         even, uneven, empty      init, unshard, train (FusedAdam), resume-sync/-async
-                                                   (+ export for even); saves the even run's checkpoints
+                                                   (+ FP32 export); saves the even run's checkpoints
                                                    (the async one while the next step runs)
     1 (rank 0)            even ("one-rank")        the same paths on a 1-rank FSDP2 group; reshard 2->1
                                                    from the sync and the async checkpoint, then a step
@@ -31,9 +31,9 @@ Why every comparison is bitwise (``"exact"``), except the export of delayed scal
   async save runs while the next step updates the same tensors (on a group of its own): it must have
   staged a copy. After a reshard to 1 or 2 ranks one more step equals the 2-rank run's next step (1 rank:
   the mean over both micro-batches, as in train).
-* export: the exported fp32 master, requantized, gives the model's bytes back exactly (the weight
-  IS the quantized master); delayed scaling used a scale from its history instead, so there the
-  check is the round-to-nearest bound ``|dequantize(w) - master| <= (rounding_error_bound(y) + 2**-22 |y|)
+* export (every parameter, plain ones as they are; every shape): the exported fp32 master, requantized,
+  gives the model's bytes back exactly (the weight IS the quantized master); delayed scaling used a scale
+  from its history instead, so there the check is the round-to-nearest bound ``|dequantize(w) - master| <= (rounding_error_bound(y) + 2**-22 |y|)
   * scale_inv``, ``y = master / scale_inv`` (the second term: the cast's own fp32 roundings of
   ``master * scale`` and ``1 / scale``).
 
@@ -237,10 +237,15 @@ def _unshard_cells(cells, shape, ws, model, ref, group) -> None:
 
 def _export_cell(cells, shape, ws, model, opt, ref, ref_opt, path, group) -> None:
     export_fp32_safetensors(model, path, optimizer=opt, process_group=group)
-    values, bad = exported_values(path), []
-    delayed = cells.fmt == "fp8_delayed"
+    values, delayed = exported_values(path), cells.fmt == "fp8_delayed"
+    names = [name for name, _ in ref.named_parameters()]
+    bad = [] if sorted(values) == sorted(names) else [f"exported keys {sorted(values)} != parameters {sorted(names)}"]
     for name, param in ref.named_parameters():
-        if not is_quantized(param):
+        if name not in values:
+            continue
+        if not is_quantized(param):  # plain fp32 parameters (norms, biases): their values
+            if not torch.equal(values[name], param.detach().float().cpu()):
+                bad.append(f"{name}: export != parameter")
             continue
         master, p = ref_opt.state[param]["master_param"].cpu(), clean_quantized(param.detach()).to("cpu", copy=True)
         if not torch.equal(values[name], master):
@@ -256,7 +261,8 @@ def _export_cell(cells, shape, ws, model, opt, ref, ref_opt, path, group) -> Non
         elif mismatched_keys({"w": clean_quantized(make_quantizer(cells.fmt).quantize(values[name]))}, {"w": p}):
             bad.append(f"{name}: requantized export != weight bytes")
     cells.add(shape, "export", ws, "bound" if delayed else "exact", bad,
-              "fp32 export == masters; requantized == the weights" + (" (bound for delayed)" if delayed else ""))
+              "every parameter exported: fp32 masters (requantized == the weights" + (", bound for delayed" if delayed
+              else "") + "), plain parameters as they are")
 
 
 def _train_and_resume(cells, fmt, shape, size, group, save_group, root, paths,
@@ -279,9 +285,8 @@ def _train_and_resume(cells, fmt, shape, size, group, save_group, root, paths,
         bad += [f"loss step {i}" for i, ok in enumerate(same_loss) if not ok]
         bad += _trained(model, opt, init, steps)
         cells.add(shape, "train", ws, "exact", bad, f"{steps} FusedAdam steps: losses, weights, masters, moments")
-        if shape in ("even", "one-rank"):
-            _export_cell(cells, shape, ws, model, opt, ref, ref_opt, os.path.join(root, f"export-{shape}.safetensors"),
-                         group)
+        _export_cell(cells, shape, ws, model, opt, ref, ref_opt, os.path.join(root, f"export-{shape}.safetensors"),
+                     group)  # every shape: uneven and empty shards too (a rank with 0 rows writes none)
     tag = f"{shape}-ws{ws}"
     save_checkpoint({"app": TrainingState(model, opt)}, os.path.join(root, f"{tag}-sync"), process_group=group)
     saved_snap = snapshot(_state(model, opt))  # a copy: the run goes on training these tensors
