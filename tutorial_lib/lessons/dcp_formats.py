@@ -34,8 +34,8 @@ Why every comparison is bitwise (``"exact"``), except the export of delayed scal
 * export (every parameter, plain ones as they are; every shape): the exported fp32 master, requantized,
   gives the model's bytes back exactly (the weight IS the quantized master); delayed scaling used a scale
   from its history instead, so there the check is the round-to-nearest bound
-  ``|dequantize(w) - master| <= (rounding_error_bound(y) + 2**-22 |y|) * scale_inv``, ``y = master / scale_inv`` (the second term: the cast's own fp32 roundings of
-  ``master * scale`` and ``1 / scale``).
+  ``|dequantize(w) - master| <= (rounding_error_bound(y) + 2**-22 |y|) * scale_inv``, ``y = master / scale_inv``
+  (the second term: the cast's own fp32 roundings of ``master * scale`` and ``1 / scale``).
 
 Example::
 
