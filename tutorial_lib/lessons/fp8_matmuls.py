@@ -105,6 +105,7 @@ class Fp8TrainCompareResult:
     gemms: list[GemmCount]  # FP8 GEMMs this rank ran in the sharded steps, by kind and backend
     fallbacks: int  # dequantizing fallbacks (quant.fallback.FALLBACKS) during the sharded steps
     weight_dequantizes: int  # dequantize() calls on FP8 tensors inside the sharded forward + backward passes
+    masters_apart_fraction: float = 0.0  # fraction of master elements more than lr / 2 from the twin's
 
     @property
     def bit_exact(self) -> bool:
@@ -274,7 +275,9 @@ def train_compare_fp8(recipe: str = "hybrid", *, dim: int | None = None, hidden:
         steps=steps, losses=losses, ref_losses=twin_losses["ref"], dequant_losses=twin_losses["dequant"],
         params=_compare_params(model, twins["ref"]), masters_equal=all(torch.equal(a, b) for a, b in pairs),
         masters_max_abs_diff=max([float((a - b).abs().max()) for a, b in pairs] or [0.0]), gemms=_gemm_counts(gemms),
-        fallbacks=fallbacks, weight_dequantizes=dequantizes)
+        fallbacks=fallbacks, weight_dequantizes=dequantizes,
+        masters_apart_fraction=sum(int(((a - b).abs() > lr / 2).sum()) for a, b in pairs) / max(1, sum(
+            a.numel() for a, _ in pairs)))
 
 
 # ----------------------------------------------------------------------------- step breakdown
