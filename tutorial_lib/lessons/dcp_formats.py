@@ -57,15 +57,16 @@ import os
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from tutorial_lib.dist.checkpoint import clean_quantized, load_checkpoint, mismatched_keys, save_checkpoint
 from tutorial_lib.dist.export import export_fp32_safetensors, exported_values
-from tutorial_lib.dist.fsdp2 import UnshardableError, check_fsdp_shardable, dim0_granularity
+from tutorial_lib.dist.fsdp2 import UnshardableError, dim0_granularity
 from tutorial_lib.dist.launcher import rank_device
-from tutorial_lib.dist.quantized_init import build_sharded_quantized, meta_quantized, quantize_params_
+from tutorial_lib.dist.quantized_init import build_sharded_quantized, quantize_params_, quantize_params_on_meta_
 from tutorial_lib.dist.training_state import TrainingState
 from tutorial_lib.lessons.dcp_pitfalls import Snapshot, assemble_full, compare_with_full, snapshot
 from tutorial_lib.models import BlockMLP, counter_uniform
@@ -200,7 +201,8 @@ class _Cells:
 
 
 def _refusals(cells: _Cells, fmt: str, sizes: dict) -> None:
-    """Shapes the format cannot shard: refused up front (a meta-only check, no ranks needed)."""
+    """Shapes the format cannot shard: refused up front by the init path itself (``quantize_params_on_meta_``,
+    which ``build_sharded_quantized`` runs first) on a META Linear of that shape: no memory, no ranks needed."""
     cases = {"uneven": (3, (32, 32 * 4)), "empty": (2, (1, 128))}
     probe = make_quantizer(fmt).quantize(torch.zeros(256, 256))
     if dim0_granularity(probe) > 1:
@@ -209,8 +211,10 @@ def _refusals(cells: _Cells, fmt: str, sizes: dict) -> None:
     for shape, (ws, full) in cases.items():
         if sizes.get(shape, ()) is not None:
             continue
+        with torch.device("meta"):
+            layer = nn.Linear(full[1], full[0], bias=False)  # weight [rows, cols] = full
         try:
-            check_fsdp_shardable(meta_quantized(make_quantizer(fmt), full, torch.float32), ws, "weight")
+            quantize_params_on_meta_(layer, recipe(fmt), ws)
             cells.add(shape, "init", ws, "refused", ["no UnshardableError"], f"{list(full)} over {ws} ranks")
         except UnshardableError as exc:
             cells.add(shape, "init", ws, "refused", [], str(exc))
