@@ -500,11 +500,13 @@ def test_fsdp2_training_with_fp8_linears_matches_one_process_bit_for_bit():
     with dequantize-on-use linears train to different losses: the FP8 GEMMs do change the numbers."""
     device = _fsdp2_device()
     calls = [(train_compare_fp8, dict(recipe="hybrid")), (train_compare_fp8, dict(recipe="blockwise")),
+             (train_compare_fp8, dict(recipe="hybrid", weight_format="fp8_delayed")),  # the loop's fp8_delayed
              (step_breakdown, dict(recipe="hybrid", reps=1))]
     results = launch(run_sequence, world_size=2, device=device, args=(calls,), timeout=240)
     hardware = device == "cuda" and fp8_tensor_cores("cuda")
     for rank_results in results:
         *trains, steps = rank_results
+        assert [t.weight_format for t in trains] == ["fp8", "fp8_128x128", "fp8_delayed"]
         for res in trains:
             assert res.bit_exact, dataclasses.asdict(res)
             assert res.fallbacks == 0 and res.weight_dequantizes == 0
@@ -518,3 +520,8 @@ def test_fsdp2_training_with_fp8_linears_matches_one_process_bit_for_bit():
         fp8, deq = steps.fp8_gemms, steps.dequantize_on_use
         assert min(fp8.quantize_ms, fp8.fprop_ms, fp8.dgrad_ms, fp8.wgrad_ms, fp8.all_gather_ms) > 0
         assert deq.fprop_ms == deq.quantize_ms == 0 and deq.all_gather_ms > 0
+
+
+def test_a_weight_format_the_recipe_does_not_take_is_refused():
+    with pytest.raises(ValueError, match="recipe 'blockwise' takes weights in 'fp8_128x128', got 'fp8_delayed'"):
+        train_compare_fp8(recipe="blockwise", weight_format="fp8_delayed")

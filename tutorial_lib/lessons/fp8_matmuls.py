@@ -215,8 +215,8 @@ def _gemm_counts(counts: collections.Counter) -> list[GemmCount]:
 
 def train_compare_fp8(recipe: str = "hybrid", *, dim: int | None = None, hidden: int | None = None,
                       tokens: int | None = None, n_blocks: int = 2, steps: int = 3, lr: float = 1e-2,
-                      weight_decay: float = 0.01, seed: int = 0,
-                      reshard_after_forward: bool = True) -> Fp8TrainCompareResult:
+                      weight_decay: float = 0.01, seed: int = 0, reshard_after_forward: bool = True,
+                      weight_format: str | None = None) -> Fp8TrainCompareResult:
     """Train ``BlockMLP(fp8=recipe)`` under FSDP2 with FP8 weights next to its single-process twin; compare.
 
     As in lesson 06's ``train_compare``, the twin sees the same global batch as the same per-rank
@@ -227,12 +227,19 @@ def train_compare_fp8(recipe: str = "hybrid", *, dim: int | None = None, hidden:
     with a halved scale -- every product and sum scales exactly. The derived tolerance is ZERO at
     world size 2 (``bit_exact``); with more ranks the reduce-scatter sums in its own order.
     ``dequant_losses`` trains the same weights with dequantize-on-use linears: what FP8 GEMMs change.
+    ``weight_format``: the registry format of the weights (default ``WEIGHT_FORMATS[recipe]``); "hybrid" also
+    takes "fp8_delayed" (per-tensor scales from an amax history, shared by the ranks).
     """
+    if recipe not in WEIGHT_FORMATS:
+        raise ValueError(f"recipe must be one of {sorted(WEIGHT_FORMATS)}, got {recipe!r}")
+    fmt = weight_format or WEIGHT_FORMATS[recipe]
+    if fmt not in (WEIGHT_FORMATS[recipe], *(("fp8_delayed",) if recipe == "hybrid" else ())):
+        raise ValueError(f"recipe {recipe!r} takes weights in {WEIGHT_FORMATS[recipe]!r}"
+                         + (" or 'fp8_delayed'" if recipe == "hybrid" else "") + f", got {fmt!r}")
     mesh, dev = world_mesh(deterministic=True)
     ws, rank = mesh.size(), mesh.get_local_rank()
     d0, h0, t0 = default_shapes(recipe, ws)
     dim, hidden, tokens = dim or d0, hidden or h0, tokens or t0
-    fmt = WEIGHT_FORMATS[recipe]
     rec = make_recipe(fmt)
     build = lambda fp8: BlockMLP(dim, hidden, n_blocks, seed=seed, fp8=fp8)  # noqa: E731
     model = qi.build_sharded_quantized(lambda: build(recipe), mesh, rec, dev, preserve_high_precision=True,
