@@ -2,7 +2,8 @@
 
 format (each of ``FORMAT_NAMES``) x path (meta init + fully_shard; unshard vs manual gather;
 FusedAdam steps; sync and async DCP save; load + exact resume; reshard 2->1, 2->3, 2->4, 4->2; FP32
-export) x shard shape (even, uneven, an empty shard, a 1-rank shard group). One launch per format at
+export; uneven and empty-shard checkpoints resharded 2->1, 2->3, 2->4 too) x shard shape (even, uneven, an empty
+shard, a 1-rank shard group). One launch per format at
 4 gloo ranks on CPU (as many ranks as GPUs with ``--nb-device cuda``) runs every cell
 (:func:`tutorial_lib.lessons.dcp_formats.format_matrix_run`); each test below checks one cell on every
 rank of its shard group. Cells that need more ranks than launched are skipped, naming the count.
@@ -70,6 +71,9 @@ def _cells(fmt: str) -> list[tuple[str, str, int, str]]:
     for path, ws in RESHARDS:
         refused = fmt == "fp8_128x128" and ws == 3  # 512 rows over 3 ranks cut through 128-row blocks
         out.append(("even", path, ws, "refused" if refused else "exact"))
+    for shape in ("uneven", "empty"):  # their 2-rank checkpoints load at other world sizes too
+        if sizes[shape] is not None:
+            out += [(shape, f"reshard 2->{ws} (sync)", ws, "exact") for ws in (1, 3, 4)]
     return out
 
 

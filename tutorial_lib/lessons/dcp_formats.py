@@ -11,6 +11,7 @@ One launch at world size W runs, for one registry format, every cell its ranks a
                                                    from the sync and the async checkpoint, then a step
     3 (ranks 0-2)         even                     reshard 2->3 (sync checkpoint)
     4 (ranks 0-3)         even                     reshard 2->4, then saves; reshard 4->2 on ranks 0-1
+    1, 3, 4               uneven, empty            reshard 2->k of those shapes' sync checkpoints
 
 Shapes a format cannot shard (uneven dim 0 or an empty shard for a format with block-scale
 buffers; 128x128 blocks over 3 ranks) are checked to be REFUSED up front with
@@ -316,7 +317,7 @@ def _train_and_resume(cells, fmt, shape, size, group, save_group, root, paths,
     return saved_snap, after
 
 
-def _reshard_cell(cells, fmt, size, group, expected: _Expected, path, label) -> None:
+def _reshard_cell(cells, fmt, size, group, expected: _Expected, path, label, shape: str = "even") -> None:
     """Load the 2-rank (or 4-rank) checkpoint on ``group``; compare every shard with the saved full tensors.
     At 1 and 2 ranks, then one step: it must equal the 2-rank run's next step exactly -- 2 ranks take their
     own micro-batch, 1 rank the mean over both (``g0/2 + g1/2``, as in the train cell). At 3 and 4 ranks the
@@ -325,7 +326,7 @@ def _reshard_cell(cells, fmt, size, group, expected: _Expected, path, label) -> 
     try:
         model, opt = _build(fmt, size, _mesh(group))
     except UnshardableError as exc:
-        cells.add("even", label, ws, "refused", [], str(exc))
+        cells.add(shape, label, ws, "refused", [], str(exc))
         return
     load_checkpoint({"app": TrainingState(model, opt)}, path, process_group=group)
     bad = compare_with_full(_state(model, opt), expected.saved)
@@ -334,7 +335,7 @@ def _reshard_cell(cells, fmt, size, group, expected: _Expected, path, label) -> 
         _step(model, opt, size[0], expected.steps, [0, 1] if ws == 1 else [dist.get_rank()])
         bad += [f"after a step: {m}" for m in compare_with_full(_state(model, opt), expected.after)]
         detail += "; one step later == the 2-rank run's next step"
-    cells.add("even", label, ws, "exact", bad, detail)
+    cells.add(shape, label, ws, "exact", bad, detail)
 
 
 def format_matrix_run(fmt: str, root: str, paths: tuple[str, ...] = MATRIX_PATHS, steps: int = 2,
@@ -359,16 +360,20 @@ def format_matrix_run(fmt: str, root: str, paths: tuple[str, ...] = MATRIX_PATHS
     phases = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=_PHASE_TIMEOUT_S))
     if rank == 0:
         _refusals(cells, fmt, {k: v for k, v in sizes.items() if k in shapes})
-    expected = None
+    expected, other_shapes = None, {}  # other_shapes: uneven / empty -> what their 2-rank run left
     if world >= 2:
         for shape in ("even", "uneven", "empty"):
             if sizes[shape] is None or shape not in shapes:
                 continue
             saved, after = _train_and_resume(cells, fmt, shape, sizes[shape], groups[2], save_groups[2], root, paths,
                                              steps) if rank < 2 else (None, None)
-            if shape == "even":  # every rank needs the full tensors the 2-rank run saved, and one step later
-                expected = _Expected(_gather_full(phases, saved), steps,
-                                     _gather_full(phases, after) if "resume" in paths else None)
+            # every rank needs the full tensors the 2-rank run saved, and one step later
+            got = _Expected(_gather_full(phases, saved), steps, _gather_full(phases, after) if "resume" in paths
+                            else None)
+            if shape == "even":
+                expected = got
+            else:
+                other_shapes[shape] = got
             dist.barrier(group=phases)
     if rank == 0 and "one-rank" in shapes:
         _train_and_resume(cells, fmt, "one-rank", sizes["even"], groups[1], save_groups[1], root, paths, steps)
@@ -399,5 +404,12 @@ def format_matrix_run(fmt: str, root: str, paths: tuple[str, ...] = MATRIX_PATHS
             dist.barrier(group=phases)
         elif rank == 0:
             cells.add("even", "reshard 4->2 (sync)", 2, "skipped", [], "needs 4 ranks")
+        for shape, exp in other_shapes.items():  # an uneven / empty-shard checkpoint loads at 1, 3, 4 ranks too
+            for k in (1, 3, 4):
+                if k <= world:
+                    if rank < k:
+                        _reshard_cell(cells, fmt, sizes[shape], groups[k], exp, os.path.join(root, f"{shape}-ws2-sync"),
+                                      f"reshard 2->{k} (sync)", shape=shape)
+                    dist.barrier(group=phases)
     return FormatMatrixResult(rank=rank, fmt=fmt, sizes={k: v for k, v in sizes.items() if v is not None},
                               cells=cells.cells)
