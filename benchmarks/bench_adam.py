@@ -215,8 +215,8 @@ def _torch_fp8_peer(masters, grads, scales):
 
 
 def _fp8_optimizer_ms(sizes, device) -> tuple[float, dict]:
-    """FusedAdam.step() on Float8Tensor params with DelayedScaling: kernel + per-param amax history; on a GPU
-    and where the step's time goes (:func:`_step_split`)."""
+    """FusedAdam.step() on Float8Tensor params with DelayedScaling (kernel + per-param amax history): its time,
+    and where that time goes (:func:`_step_split`)."""
     g = torch.Generator(device=device).manual_seed(2)
     params = []
     for n in sizes:

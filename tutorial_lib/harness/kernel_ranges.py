@@ -130,7 +130,7 @@ def kernel_time_by_range(events, ranges: dict[str, re.Pattern], *, same_thread: 
     return RangeKernelTime(device_us, kernels, unlinked)
 
 
-def device_time_by_kernel(events, steps: int = 1) -> dict[str, tuple[float, int]]:
+def device_time_by_kernel(events, steps: int = 1) -> dict[str, tuple[float, float]]:
     """Where the device time of a profiled block went: per kernel name (memcpy/memset included), the device
     microseconds and the number of launches, each divided by ``steps`` -- largest time first. Every device
     activity counts, whoever launched it (Triton's kernels too); a CPU-only profile gives ``{}``.
@@ -143,5 +143,4 @@ def device_time_by_kernel(events, steps: int = 1) -> dict[str, tuple[float, int]
         if _is_device_activity(e):
             us[e.name] += e.time_range.end - e.time_range.start
             count[e.name] += 1
-    return {name: (us[name] / steps, count[name] // steps if count[name] % steps == 0 else count[name] / steps)
-            for name in sorted(us, key=us.get, reverse=True)}
+    return {name: (us[name] / steps, count[name] / steps) for name in sorted(us, key=us.get, reverse=True)}

@@ -171,8 +171,8 @@ def _gather_full(group, snap: Snapshot | None) -> dict:
 
 @dataclasses.dataclass
 class _Expected:
-    """What the 2-rank run of the even shape left for the reshard cells: full tensors as saved (after ``steps``
-    steps) and one step later (None when the run had no "resume" path)."""
+    """What a shape's 2-rank run left for the reshard cells: full tensors as saved (after ``steps`` steps) and
+    one step later (None when the run had no "resume" path)."""
 
     saved: dict
     steps: int
