@@ -42,6 +42,7 @@ from tutorial_lib.dist.extra_state import (
 )
 from tutorial_lib.dist.training_state import init_optimizer_state, optimizer_step_count
 from tutorial_lib.quant.float8 import CurrentScaling, DelayedScaling, Float8Tensor
+from tutorial_lib.quant.registry import FORMAT_NAMES, make_quantizer
 from tutorial_lib.quant.serialization import register_safe_globals
 
 aten = torch.ops.aten
@@ -269,6 +270,39 @@ def test_contract_a_fresh_process_can_load_a_quantized_checkpoint(loader):
         with default_safe_globals_only():
             out = loader(_fresh_like(live), path)
     assert mismatched_keys(out, live) == []
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_a_fresh_process_loads_every_format_bit_for_bit(fmt):
+    """Every registry format's tensor class (and what its chunks pickle) must be a safe global that
+    ``load_checkpoint`` registers: with torch's defaults only, the load restores the bytes and scales exactly."""
+    live = {"w": make_quantizer(fmt).quantize(_randn((256, 256), 3)), "b": _randn((8,), 4, torch.float32)}
+    target = {"w": make_quantizer(fmt).quantize(_randn((256, 256), 5)), "b": torch.zeros(8)}
+    assert mismatched_keys(target, live) == ["b", "w"]  # different bytes and scales before the load
+    with checkpoint_dir() as root:
+        path = os.path.join(root, "c")
+        save_checkpoint(live, path)
+        with default_safe_globals_only():
+            out = load_checkpoint(target, path)
+    assert type(out["w"]) is type(live["w"]) and mismatched_keys(out, live) == []
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_a_dequantized_checkpoint_of_every_format_is_refused_not_requantized(fmt):
+    """The blocking stager saves plain values (dequantized); loading them into any quantized format raises
+    instead of quietly requantizing -- the target's bytes are untouched."""
+    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+    register_safe_globals()
+    live = {"w": make_quantizer(fmt).quantize(_randn((256, 256), 3))}
+    target = {"w": make_quantizer(fmt).quantize(_randn((256, 256), 5))}
+    before = {"w": target["w"].clone()}
+    with checkpoint_dir() as root:
+        path = os.path.join(root, "blocking")
+        dcp.async_save(live, checkpoint_id=path, no_dist=True, async_stager=BlockingAsyncStager()).result()
+        with pytest.raises(RequantizeOnLoadError, match="would REQUANTIZE"):
+            load_checkpoint(target, path)
+    assert mismatched_keys(target, before) == []
 
 
 def test_dcp_reads_chunks_weights_only_so_the_subclass_needs_safe_globals():
