@@ -13,6 +13,7 @@ from tutorial_kernels.adam_capturable import bias_correction_table, launch_step_
 from tutorial_lib.optim.adamw_reference import adam_step_scalars
 from tutorial_lib.optim.fused_adam import FusedAdam
 from tutorial_lib.quant.mxfp8 import MXFP8Quantizer
+from tutorial_lib.quant.registry import FORMAT_NAMES, make_quantizer
 from tutorial_lib.quant.tensor import is_quantized
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -257,3 +258,31 @@ def test_step_scalars_with_no_parameters_leave_everything_untouched():
     launch_step_scalars(steps, torch.ones(3, device=DEV), group, table, torch.empty(3, 0, device=DEV),
                         torch.zeros(0, dtype=torch.int64, device=DEV))
     assert steps.tolist() == [4.0, 0.0, 9.0]
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_capturable_steps_equal_the_host_path_in_every_format(fmt):
+    """Every registry format through the capturable path (device-side scalars, its format's route: fused FP8
+    cast, fused current scaling, fused block requantize or the format's own requantize): four steps, lr
+    changed every step, equal the host path's bytes, scales, masters and moments bit for bit."""
+    def params():
+        g = torch.Generator().manual_seed(6)
+        w = torch.randn(256, 256, generator=g)
+        return [torch.nn.Parameter(make_quantizer(fmt).quantize(w.to(DEV))),
+                torch.nn.Parameter(torch.randn(32, generator=g).to(DEV))]
+
+    pa, pb = params(), params()
+    a = FusedAdam(pa, **HP, master_weights=True)
+    b = FusedAdam(pb, **HP, master_weights=True, capturable=True)
+    gen = torch.Generator().manual_seed(7)
+    for step in range(4):
+        grads = [torch.randn(p.shape, generator=gen).to(DEV, p.dtype) for p in pa]
+        for params_ in (pa, pb):
+            for p, g in zip(params_, grads):
+                p.grad = g.clone()
+        for opt in (a, b):
+            opt.param_groups[0]["lr"] = 1e-2 * 0.7**step
+            opt.step()
+    assert a.routes() == b.routes()
+    _assert_same(a, b, pa, pb)
+    assert not torch.equal(pa[0].dequantize(), params()[0].dequantize()), "the weights moved"
