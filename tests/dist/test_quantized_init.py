@@ -66,6 +66,44 @@ def test_meta_init_equals_eager_quantization(fmt, dims):
             assert torch.equal(p, r), name
 
 
+def _sharded_init_vs_eager(dims, fmt):
+    """Rank function: meta init of an FSDP2-sharded BlockMLP; per weight, does this rank's shard hold the
+    eagerly quantized model's rows (bytes) and scale, and in how many chunks were its rows generated."""
+    from tutorial_lib.dist.mesh import world_mesh
+    from tutorial_lib.dist.quantized_init import build_sharded_quantized
+    from tutorial_lib.models import chunk_elems, local_rows
+    from tutorial_lib.quant.tensor import local_tensor
+
+    mesh, dev = world_mesh()
+    model = build_sharded_quantized(lambda: BlockMLP(*dims, seed=1), mesh, recipe(fmt), dev,
+                                    preserve_high_precision=True)
+    ref = quantize_params_(BlockMLP(*dims, seed=1), recipe(fmt), preserve_high_precision=True)
+    out = {}
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        if not is_quantized(r):
+            continue
+        (start, stop), loc = local_rows(p), local_tensor(p)
+        rows = stop - start
+        step = max(1, chunk_elems(dev) // (r.numel() // r.shape[0]))
+        same = (torch.equal(loc.raw_buffers()["data"][:rows].cpu(), r.raw_buffers()["data"][start:stop])
+                and torch.equal(loc.raw_buffers()["scale_inv"].cpu(), r.raw_buffers()["scale_inv"])
+                and torch.equal(local_tensor(getattr(p, HP_INIT_ATTR)).cpu(), getattr(r, HP_INIT_ATTR)[start:stop]))
+        out[name] = (same, -(-rows // step))
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_delayed"])
+def test_sharded_streaming_init_equals_eager_quantization_over_several_chunks(fmt):
+    """Per-tensor scaling streams each shard's rows in chunks (amax pass, then cast pass) with the amax
+    all-reduced over the ranks: at 2 ranks, with every shard generated in 3 chunks, each shard's bytes, its
+    scale and its preserved fp32 rows equal the eagerly quantized model's, bit for bit."""
+    for per_rank in launch(_sharded_init_vs_eager, world_size=2, device="cpu", args=((100, 400, 1), fmt),
+                           timeout=240):
+        assert set(per_rank) == {"blocks.0.fc1.weight", "blocks.0.fc2.weight"}
+        assert all(same and chunks == 3 for same, chunks in per_rank.values()), per_rank
+
+
 def test_delayed_scaling_quantizer_does_not_record_the_meta_probe():
     with torch.device("meta"):
         model = BlockMLP(16, 32, 1)
