@@ -24,9 +24,10 @@ if not torch.cuda.is_available():
 
 
 def interpreted() -> bool:
-    """True when the kernels run in Triton's CPU interpreter rather than compiled: ``TRITON_INTERPRET`` read
-    the way Triton reads it when it decorates a kernel (``1``, ``true``, ``on``, ``yes`` in any case; ``0``,
-    ``false``, ``2``... are compiled)."""
+    """True when a kernel decorated NOW would run in Triton's CPU interpreter rather than compiled:
+    ``TRITON_INTERPRET`` read the way Triton reads it at ``@triton.jit`` (``1``, ``true``, ``on``, ``yes``,
+    ``y`` in any case; ``0``, ``false``, ``2``... compile). Kernels decorated earlier keep the mode they were
+    decorated in: set the variable before the kernels are imported."""
     import triton
 
     return bool(triton.knobs.runtime.interpret)

@@ -176,3 +176,36 @@ def test_a_launch_wider_than_four_ranks_runs_the_four_rank_phase_on_its_first_fo
     assert sorted(rank for p, rank in cells if p == "reshard 4->2 (sync)") == [0, 1]
     assert all(c.outcome == "exact" and c.mismatch == [] for c in cells.values())
     assert [r.cells for r in per_rank][4] == []  # rank 4 only waited
+
+
+def _run_with_a_stager_that_does_not_copy(fmt: str, root: str):
+    """Rank function: the matrix's resume cells while async saves stage NOTHING (the live tensors are written)."""
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    import tutorial_lib.dist.checkpoint as ck
+
+    class _NoCopy(AsyncStager):
+        _synchronize_after_execute = False
+
+        def stage(self, state_dict):
+            return state_dict
+
+        def synchronize_staging(self):
+            pass
+
+        def close(self):
+            pass
+
+    ck.quantized_stager = _NoCopy
+    return format_matrix_run(fmt, root, paths=("resume",), shapes=("even",))
+
+
+def test_the_async_resume_cell_catches_a_stager_that_does_not_copy():
+    """The async save's files are written only after the next step changed the live tensors (the matrix's
+    writer waits for it), so a stager that hands DCP the live tensors fails resume-async -- every time."""
+    with checkpoint_dir() as root:
+        per_rank = launch(_run_with_a_stager_that_does_not_copy, world_size=2, device="cpu", args=("fp8", root),
+                          timeout=300, echo=False)
+    cells = {c.path: c for c in per_rank[0].cells if c.shape == "even"}
+    assert cells["resume-sync"].mismatch == []
+    assert any("weight" in m for m in cells["resume-async"].mismatch), cells["resume-async"]

@@ -66,17 +66,26 @@ def test_meta_init_equals_eager_quantization(fmt, dims):
             assert torch.equal(p, r), name
 
 
-def _sharded_init_vs_eager(dims, fmt):
+def _sharded_init_vs_eager(dims, fmt, preserve):
     """Rank function: meta init of an FSDP2-sharded BlockMLP; per weight, does this rank's shard hold the
-    eagerly quantized model's rows (bytes) and scale, and in how many chunks were its rows generated."""
+    eagerly quantized model's rows (bytes), its scale and its fp32 rows, and which row ranges did the init
+    generate (the real calls of the counter-based generator)."""
+    import tutorial_lib.dist.quantized_init as qi
     from tutorial_lib.dist.mesh import world_mesh
-    from tutorial_lib.dist.quantized_init import build_sharded_quantized
-    from tutorial_lib.models import chunk_elems, local_rows
+    from tutorial_lib.models import local_rows
     from tutorial_lib.quant.tensor import local_tensor
 
+    calls, generate = {}, qi.counter_uniform
+
+    def counted(seed, fqn, shape, *, rows=None, **kw):
+        calls.setdefault(fqn, []).append(rows)
+        return generate(seed, fqn, shape, rows=rows, **kw)
+
+    qi.counter_uniform = counted
     mesh, dev = world_mesh()
-    model = build_sharded_quantized(lambda: BlockMLP(*dims, seed=1), mesh, recipe(fmt), dev,
-                                    preserve_high_precision=True)
+    model = qi.build_sharded_quantized(lambda: BlockMLP(*dims, seed=1), mesh, recipe(fmt), dev,
+                                       preserve_high_precision=preserve)
+    qi.counter_uniform = generate
     ref = quantize_params_(BlockMLP(*dims, seed=1), recipe(fmt), preserve_high_precision=True)
     out = {}
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
@@ -84,24 +93,33 @@ def _sharded_init_vs_eager(dims, fmt):
             continue
         (start, stop), loc = local_rows(p), local_tensor(p)
         rows = stop - start
-        step = max(1, chunk_elems(dev) // (r.numel() // r.shape[0]))
         same = (torch.equal(loc.raw_buffers()["data"][:rows].cpu(), r.raw_buffers()["data"][start:stop])
                 and torch.equal(loc.raw_buffers()["scale_inv"].cpu(), r.raw_buffers()["scale_inv"])
-                and torch.equal(local_tensor(getattr(p, HP_INIT_ATTR)).cpu(), getattr(r, HP_INIT_ATTR)[start:stop]))
-        out[name] = (same, -(-rows // step))
+                and (not preserve or torch.equal(local_tensor(getattr(p, HP_INIT_ATTR)).cpu(),
+                                                 getattr(r, HP_INIT_ATTR)[start:stop])))
+        out[name] = (same, (start, stop), calls.get(name, []))
     return out
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("fmt", ["fp8", "fp8_delayed"])
-def test_sharded_streaming_init_equals_eager_quantization_over_several_chunks(fmt):
-    """Per-tensor scaling streams each shard's rows in chunks (amax pass, then cast pass) with the amax
-    all-reduced over the ranks: at 2 ranks, with every shard generated in 3 chunks, each shard's bytes, its
-    scale and its preserved fp32 rows equal the eagerly quantized model's, bit for bit."""
-    for per_rank in launch(_sharded_init_vs_eager, world_size=2, device="cpu", args=((100, 400, 1), fmt),
+@pytest.mark.parametrize("fmt, preserve, calls_per_chunk", [("fp8", True, 1), ("fp8", False, 2),
+                                                        ("fp8_delayed", True, None)])
+def test_sharded_init_equals_eager_quantization_streamed_or_at_once(fmt, preserve, calls_per_chunk):
+    """At 2 ranks every shard's bytes, its scale (all-reduced amax) and its preserved fp32 rows equal the
+    eagerly quantized model's, bit for bit. Current scaling streams the shard's rows in chunks (3 here): an
+    amax pass, then a cast pass that generates each chunk again -- or reads the kept fp32 rows when they are
+    preserved. Delayed scaling generates the shard's rows at once (it casts with the scale in force)."""
+    chunked = calls_per_chunk is not None
+    for per_rank in launch(_sharded_init_vs_eager, world_size=2, device="cpu", args=((100, 400, 1), fmt, preserve),
                            timeout=240):
         assert set(per_rank) == {"blocks.0.fc1.weight", "blocks.0.fc2.weight"}
-        assert all(same and chunks == 3 for same, chunks in per_rank.values()), per_rank
+        for name, (same, (start, stop), ranges) in per_rank.items():
+            assert same, name
+            pieces = sorted(set(ranges))  # each pass generates the same pieces
+            assert pieces[0][0] == start and pieces[-1][1] == stop, (name, pieces)
+            assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:])), (name, pieces)  # contiguous cover
+            assert len(pieces) == (3 if chunked else 1), (name, pieces)
+            assert len(ranges) == (calls_per_chunk * len(pieces) if chunked else 1), (name, ranges)
 
 
 def test_delayed_scaling_quantizer_does_not_record_the_meta_probe():

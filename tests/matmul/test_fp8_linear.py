@@ -525,3 +525,35 @@ def test_fsdp2_training_with_fp8_linears_matches_one_process_bit_for_bit():
 def test_a_weight_format_the_recipe_does_not_take_is_refused():
     with pytest.raises(ValueError, match="recipe 'blockwise' takes weights in 'fp8_128x128', got 'fp8_delayed'"):
         train_compare_fp8(recipe="blockwise", weight_format="fp8_delayed")
+
+
+def _train_compare_with_flipped_gradients(recipe: str):
+    """Rank function: ``train_compare_fp8`` whose SHARDED run steps with sign-flipped gradients (the twin's
+    MasterWeights hold plain tensors, the sharded run's DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    import tutorial_lib.dist.quantized_init as qi
+
+    copy_grads = qi.MasterWeights.copy_grads
+
+    def flipped(self):
+        copy_grads(self)
+        for m in self.parameters():
+            if isinstance(m, DTensor) and m.grad is not None:
+                m.grad.mul_(-1)
+
+    qi.MasterWeights.copy_grads = flipped
+    return train_compare_fp8(recipe=recipe, steps=3)
+
+
+@pytest.mark.distributed
+def test_at_three_ranks_the_masters_apart_fraction_separates_reordered_sums_from_wrong_gradients():
+    """Lesson 09's check at 3+ ranks (where bit-exactness ends): a reordered reduce-scatter leaves at most a few
+    percent of the masters more than lr/2 from the twin's, a sign-flipped gradient most of them."""
+    good = launch(train_compare_fp8, world_size=3, device="cpu", kwargs=dict(recipe="blockwise", steps=10),
+                  timeout=300)
+    flipped = launch(_train_compare_with_flipped_gradients, world_size=3, device="cpu", args=("hybrid",),
+                     timeout=300)
+    assert all(r.masters_apart_fraction <= 0.1 and not r.bit_exact for r in good), [
+        r.masters_apart_fraction for r in good]
+    assert all(r.masters_apart_fraction > 0.5 for r in flipped), [r.masters_apart_fraction for r in flipped]

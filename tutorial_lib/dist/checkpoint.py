@@ -191,7 +191,8 @@ def _has_checkpoint(path: str) -> bool:
     return os.path.exists(os.path.join(path, METADATA_FILE))
 
 
-def save_checkpoint(state_dict: dict, path: str | os.PathLike, *, mode: str = "sync", process_group=None):
+def save_checkpoint(state_dict: dict, path: str | os.PathLike, *, mode: str = "sync", process_group=None,
+                    storage_writer=None):
     """Save ``state_dict`` with DCP on every rank; ``mode`` is "sync" or "async".
 
     Refuses a ``path`` that already holds a checkpoint (``CheckpointExistsError``): DCP would
@@ -215,6 +216,9 @@ def save_checkpoint(state_dict: dict, path: str | os.PathLike, *, mode: str = "s
     any other collective off it until the future is done (e.g. pass a group made for checkpoints:
     ``dist.new_group(backend="gloo")``). Every save and load of this module first waits for this
     process's earlier async saves, so two saves never overlap on one group.
+
+    ``storage_writer``: a DCP ``StorageWriter`` to write with (default: DCP's file-system writer at ``path``),
+    e.g. one that records or delays the writes.
     """
     path = os.fspath(path)
     if mode not in ("sync", "async"):
@@ -228,7 +232,8 @@ def save_checkpoint(state_dict: dict, path: str | os.PathLike, *, mode: str = "s
                 "leave the other run's shard files next to the new ones. Use a fresh directory (checkpoint_dir())."
             )
         os.makedirs(path, mode=0o700, exist_ok=True)  # private to this user when we create it
-    kwargs = dict(checkpoint_id=path, planner=QuantizedSavePlanner(), process_group=process_group, no_dist=no_dist)
+    kwargs = dict(checkpoint_id=path, planner=QuantizedSavePlanner(), process_group=process_group, no_dist=no_dist,
+                  **({} if storage_writer is None else {"storage_writer": storage_writer}))
     if mode == "sync":
         with _single_process_quiet(no_dist):
             dcp.save(state_dict, **kwargs)

@@ -55,11 +55,13 @@ import dataclasses
 import datetime
 import math
 import os
+import threading
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
@@ -190,6 +192,19 @@ def _trained(model, opt, init: Snapshot, steps: int) -> list[str]:
     return bad + ([] if counts == {steps} else [f"optimizer step counts {sorted(counts)}, not {steps}"])
 
 
+class _WriteAfter(FileSystemWriter):
+    """DCP's file-system writer that writes its files only once ``gate`` is set (by the caller)."""
+
+    def __init__(self, path: str):
+        super().__init__(path)
+        self.where, self.gate = path, threading.Event()  # (FileSystemWriter keeps its own `path`)
+
+    def write_data(self, plan, planner):
+        if not self.gate.wait(timeout=_PHASE_TIMEOUT_S):
+            raise TimeoutError(f"the gate of the async save to {self.where} was never opened")
+        return super().write_data(plan, planner)
+
+
 # ----------------------------------------------------------------------------- the cells
 
 
@@ -295,13 +310,19 @@ def _train_and_resume(cells, fmt, shape, size, group, save_group, root, paths,
     tag = f"{shape}-ws{ws}"
     save_checkpoint({"app": TrainingState(model, opt)}, os.path.join(root, f"{tag}-sync"), process_group=group)
     saved_snap = snapshot(_state(model, opt))  # a copy: the run goes on training these tensors
-    # on a group of its own: the save's collectives run in the background while the step's run on `group`
-    pending = save_checkpoint({"app": TrainingState(model, opt)}, os.path.join(root, f"{tag}-async"), mode="async",
-                              process_group=save_group)
+    # on a group of its own: the save's collectives run in the background while the step's run on `group`;
+    # its files are written only once the next step has changed the live tensors: a stager that did not copy
+    # them writes the NEW values, and resume-async fails -- every time, not only when the writer is slow
+    writer = _WriteAfter(os.path.join(root, f"{tag}-async"))
+    pending = save_checkpoint({"app": TrainingState(model, opt)}, writer.where, mode="async",
+                              process_group=save_group, storage_writer=writer)
     after = None
-    if "resume" in paths:  # the next step runs WHILE the async save is in flight: it must have staged a copy
-        ref_loss = _step(model, opt, size[0], steps, [rank])[0]
-        after = snapshot(_state(model, opt))
+    try:
+        if "resume" in paths:  # the next step runs WHILE the async save is in flight
+            ref_loss = _step(model, opt, size[0], steps, [rank])[0]
+            after = snapshot(_state(model, opt))
+    finally:
+        writer.gate.set()
     pending.result()
     if "resume" in paths:
         for mode in ("sync", "async"):
