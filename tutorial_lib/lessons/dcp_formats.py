@@ -176,9 +176,9 @@ class _Expected:
     """What a shape's 2-rank run left for the reshard cells: full tensors as saved (after ``steps`` steps) and
     one step later (None when the run had no "resume" path)."""
 
-    saved: dict
-    steps: int
-    after: dict | None
+    saved: dict  # full tensors of the saved state (key -> tensor, assembled from every rank's shard)
+    steps: int  # steps the run had taken when it saved (the next step's index)
+    after: dict | None  # full tensors one step later (None without the "resume" path)
 
 
 def _trained(model, opt, init: Snapshot, steps: int) -> list[str]:
