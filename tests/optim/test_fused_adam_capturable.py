@@ -44,6 +44,23 @@ def _assert_same(a: FusedAdam, b: FusedAdam, pa: list, pb: list) -> None:
             assert torch.equal(_bits(x.detach()), _bits(y.detach())), f"param {i}"
 
 
+def _host_and_capturable_steps(pa: list, pb: list, steps: int, seed: int, skip: tuple[int, int] | None = None):
+    """FusedAdam on ``pa`` (host path) and ``pb`` (capturable), ``steps`` steps with the same fresh grads and an lr
+    changed every step; ``skip=(step, i)``: parameter i gets no grad at that step. Returns the two optimizers."""
+    a = FusedAdam(pa, **HP, master_weights=True)
+    b = FusedAdam(pb, **HP, master_weights=True, capturable=True)
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        grads = [torch.randn(p.shape, generator=gen).to(DEV, p.dtype) for p in pa]
+        for params in (pa, pb):
+            for i, (p, g) in enumerate(zip(params, grads)):
+                p.grad = None if skip == (step, i) else g.clone()
+        for opt in (a, b):
+            opt.param_groups[0]["lr"] = 1e-2 * 0.7**step
+            opt.step()
+    return a, b
+
+
 def test_bias_correction_table_is_the_host_scalars():
     """Every tabulated correction is the host's Python expression; the table ends where both are 1.0."""
     table = bias_correction_table(0.9, 0.999, "cpu")
@@ -84,17 +101,7 @@ def test_capturable_steps_equal_the_host_path_bit_for_bit():
     """Six steps, lr changed every step, a parameter skipped once (non-uniform step counts):
     parameters, FP8 bytes, masters, moments and step counts equal the default path's bits."""
     pa, pb = _params(1), _params(1)
-    a = FusedAdam(pa, **HP, master_weights=True)
-    b = FusedAdam(pb, **HP, master_weights=True, capturable=True)
-    gen = torch.Generator().manual_seed(2)
-    for step in range(6):
-        grads = [torch.randn(p.shape, generator=gen).to(DEV, p.dtype) for p in pa]
-        for params in (pa, pb):
-            for i, (p, g) in enumerate(zip(params, grads)):
-                p.grad = None if (step == 2 and i == 0) else g.clone()
-        for opt in (a, b):
-            opt.param_groups[0]["lr"] = 1e-2 * 0.7**step
-            opt.step()
+    a, b = _host_and_capturable_steps(pa, pb, steps=6, seed=2, skip=(2, 0))
     assert b.state[pb[0]]["step"].item() == 5.0 and b.state[pb[1]]["step"].item() == 6.0
     assert b.state[pb[0]]["step"].device.type == torch.device(DEV).type  # the counters live on the device
     _assert_same(a, b, pa, pb)
@@ -272,17 +279,7 @@ def test_capturable_steps_equal_the_host_path_in_every_format(fmt):
                 torch.nn.Parameter(torch.randn(32, generator=g).to(DEV))]
 
     pa, pb = params(), params()
-    a = FusedAdam(pa, **HP, master_weights=True)
-    b = FusedAdam(pb, **HP, master_weights=True, capturable=True)
-    gen = torch.Generator().manual_seed(7)
-    for step in range(4):
-        grads = [torch.randn(p.shape, generator=gen).to(DEV, p.dtype) for p in pa]
-        for params_ in (pa, pb):
-            for p, g in zip(params_, grads):
-                p.grad = g.clone()
-        for opt in (a, b):
-            opt.param_groups[0]["lr"] = 1e-2 * 0.7**step
-            opt.step()
+    a, b = _host_and_capturable_steps(pa, pb, steps=4, seed=7)
     assert a.routes() == b.routes()
     _assert_same(a, b, pa, pb)
     assert not torch.equal(pa[0].dequantize(), params()[0].dequantize()), "the weights moved"
