@@ -17,7 +17,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask)
@@ -35,5 +35,5 @@ def add(x: torch.Tensor, y: torch.Tensor, block: int = 1024) -> torch.Tensor:
     out = torch.empty_like(x)
     n = x.numel()
     if n:
-        _add_kernel[(triton.cdiv(n, block),)](x, y, out, n, BLOCK=block)
+        add_kernel[(triton.cdiv(n, block),)](x, y, out, n, BLOCK=block)
     return out

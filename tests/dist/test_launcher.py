@@ -34,17 +34,17 @@ def _gone(pids, within=10.0):
 
 def test_results_in_rank_order_with_collective():
     out = launch(start_here.allreduce_demo, world_size=2, device="cpu", args=(5,), timeout=120)
-    expected = torch.arange(5, dtype=torch.float32) * 3
+    expected = torch.arange(5, dtype=torch.float64) * 3
     assert [r.rank for r in out] == [0, 1]
     for r in out:
         assert type(r) is start_here.AllReduceResult and r.backend == "gloo" and r.world_size == 2
         assert torch.equal(r.received, expected)
-    assert torch.equal(out[1].sent, torch.arange(5, dtype=torch.float32) * 2)
+    assert torch.equal(out[1].sent, torch.arange(5, dtype=torch.float64) * 2)
 
 
 def test_world_size_three():
     out = launch(start_here.allreduce_demo, world_size=3, device="cpu", args=(4,), timeout=120)
-    assert all(torch.equal(r.received, torch.arange(4, dtype=torch.float32) * 6) for r in out)
+    assert all(torch.equal(r.received, torch.arange(4, dtype=torch.float64) * 6) for r in out)
 
 
 def test_rank_output_prefixed(capsys):

@@ -23,3 +23,17 @@ def test_main_grad_pitfall_claims_hold_at_two_ranks():
 def test_widths_that_do_not_split_over_the_ranks_are_refused():
     with pytest.raises(RankFailed, match=r"dim=47 and hidden=96 must split evenly over 2 ranks"):
         launch(main_grad_pitfall, world_size=2, device="cpu", kwargs=dict(dim=47, hidden=96, n_blocks=1), timeout=120)
+
+
+@pytest.mark.notebook
+def test_the_lesson_refuses_a_single_seed_before_training(tmp_path):
+    """One bf16 run has no spread, so the margin would be 0: the lesson stops at its setup cell, not after the sweep."""
+    from tutorial_lib.harness.notebooks import NOTEBOOK_DIR, LessonFailed, run_lesson
+
+    with pytest.raises(LessonFailed) as info:
+        run_lesson(NOTEBOOK_DIR / "11_end_to_end_training.ipynb", tmp_path, device="cpu", world_size=2, quick=True,
+                   extra_parameters={"seeds": 1})
+    msg = str(info.value)
+    assert "seeds=1" in msg and "at least 2 are needed" in msg, msg[-2000:]
+    failing_source = msg.split("--- cell source ---", 1)[1].split("--- traceback ---", 1)[0]
+    assert "launch(" not in failing_source, msg[-2000:]

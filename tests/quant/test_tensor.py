@@ -26,7 +26,7 @@ from tutorial_lib.quant.fallback import (
     set_fallback_mode,
     strict_dispatch,
 )
-from tutorial_lib.quant.float8 import Float8Tensor
+from tutorial_lib.quant.float8 import CurrentScaling, Float8Tensor
 from tutorial_lib.quant.per_tensor import quantize_per_tensor
 from tutorial_lib.quant.registry import BLOCK_FORMAT_NAMES, make_quantizer
 from tutorial_lib.quant.tensor import Layout, QuantizedTensor, is_quantized, local_tensor
@@ -144,6 +144,29 @@ def test_dispatch_table_summary_has_a_reason_per_op():
     assert all(reason for _, _, reason in rows)
     owner = {op: cls for op, cls, _ in rows}
     assert owner["aten.view.default"] == "_RowFP8" and owner["aten.clone.default"] == "QuantizedTensor"
+
+
+def test_the_clone_handler_serves_what_its_reason_names_and_deepcopy_does_not_reach_it(monkeypatch):
+    """The reason printed by dispatch_table_summary lists the callers that reach aten.clone; deepcopy is not one."""
+    import copy
+
+    calls = []
+    table, op = QuantizedTensor._dispatch_table, torch.ops.aten.clone.default
+    handler = table[op]
+    monkeypatch.setitem(table, op, lambda func, args, kwargs: calls.append(func) or handler(func, args, kwargs))
+    q = CurrentScaling("e4m3").quantize(torch.randn(8, 16))
+    reached = {}
+    for name, fn in {"clone": q.clone, "contiguous of a view": lambda: q.t().contiguous(),
+                     "copying reshape": lambda: q.t().reshape(-1), "deepcopy": lambda: copy.deepcopy(q),
+                     "contiguous of a contiguous tensor": q.contiguous}.items():
+        calls.clear()
+        out = fn()
+        assert isinstance(out, QuantizedTensor) and torch.equal(out.dequantize(), out.dequantize())
+        reached[name] = len(calls)
+    assert reached == {"clone": 1, "contiguous of a view": 1, "copying reshape": 1, "deepcopy": 0,
+                       "contiguous of a contiguous tensor": 0}
+    reason = dict((o, r) for o, _, r in dispatch_table_summary(Float8Tensor))["aten.clone.default"]
+    assert "deepcopy" not in reason and ".contiguous()" in reason
 
 
 # ----------------------------------------------------------------------------- view policy hook

@@ -35,15 +35,18 @@ class AllReduceResult:
     world_size: int  # ranks in the launch
     device: str  # the device this rank computed on, e.g. "cpu" or "cuda:1"
     backend: str  # the process group's backend, e.g. "gloo"
-    sent: torch.Tensor  # this rank's contribution: arange(n) * (rank + 1)
-    received: torch.Tensor  # the all-reduced sum: arange(n) * world_size * (world_size + 1) / 2
+    sent: torch.Tensor  # this rank's contribution: arange(n) * (rank + 1), float64
+    received: torch.Tensor  # the all-reduced sum: arange(n) * world_size * (world_size + 1) / 2, exactly
 
 
 def allreduce_demo(n: int = 8) -> AllReduceResult:
-    """Each rank contributes ``arange(n) * (rank + 1)``; all ranks all-reduce (sum) it."""
+    """Each rank contributes ``arange(n) * (rank + 1)``; all ranks all-reduce (sum) it.
+
+    float64: every partial sum is an integer below 2**53, so the result is exact whatever order the backend
+    adds in (float32 is exact only below 2**24, which a million elements on 6 or more ranks exceed)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = rank_device()
-    mine = torch.arange(n, dtype=torch.float32, device=dev) * (rank + 1)
+    mine = torch.arange(n, dtype=torch.float64, device=dev) * (rank + 1)
     total = mine.clone()
     dist.all_reduce(total)
     print(f"sent {mine[:4].tolist()}..., received {total[:4].tolist()}...")

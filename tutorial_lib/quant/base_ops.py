@@ -6,7 +6,7 @@ quantized and which caller needs it::
 
     copy_            raw bytes between equal layouts; quantize into / dequantize out of
     detach, alias    nn.Parameter, state_dict, DTensor wrap the same buffers
-    clone            deepcopy, .contiguous(), reshape of a copy
+    clone            .clone(), .contiguous() of a non-contiguous view, a reshape that must copy
     _to_copy         .to(device) / .cpu() / .cuda(): buffers move, the tensor stays quantized;
                      .float() / .to(other float dtype): a PLAIN dequantized tensor (see below)
     is_pinned, _pin_memory   DCP staging and FSDP2 CPU offload
@@ -75,8 +75,9 @@ def _buffer_memory_format(t, buf, memory_format):
 
 @QuantizedTensor.implements(aten.clone.default)
 def _handle_clone(func, args, kwargs):
-    """clone: clone every buffer, stays quantized (deepcopy, .contiguous(), reshape of a copy).
+    """clone: clone every buffer, stays quantized (.clone(), .contiguous() of a view, a copying reshape).
 
+    ``copy.deepcopy`` does not come here: ``__deepcopy__`` (serialization.py) copies the buffers itself.
     A quantizer with per-tensor state (one with ``fork()``, e.g. delayed scaling's amax history) is
     forked: writing the clone must not change the scale the original is quantized with next."""
     t = args[0]
