@@ -35,7 +35,6 @@ The FSDP2 (DTensor vs plain parameters) case needs 2 GPUs: ``benchmarks/bench_ad
 from __future__ import annotations
 
 import gc
-import time
 
 import torch
 import tutorial_kernels.adam as k  # first: sets TRITON_INTERPRET=1 on a CPU-only machine
@@ -238,14 +237,7 @@ def _step_split(step, device, profiled_steps: int = 5, top: int = 8) -> dict:
     (on the CPU both are the wall clock), ms from an idle GPU (host work in full), and the device ms and
     launches per step of the ``top`` kernels (memcpy/memset included) of a profiled loop (none on the CPU)."""
     cuda = device.type == "cuda"
-    if cuda:
-        b2b = time_back_to_back(step)
-    else:
-        t = time.perf_counter()
-        for _ in range(profiled_steps):
-            step()
-        wall = (time.perf_counter() - t) * 1e3 / profiled_steps
-        b2b = {"back_to_back_ms": wall, "host_ms": wall}
+    b2b = time_back_to_back(step, 50 if cuda else profiled_steps, device=device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with quiet_profiler(), profile(activities=activities) as prof:
         for _ in range(profiled_steps):

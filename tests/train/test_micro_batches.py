@@ -15,31 +15,16 @@ What may differ, and the tolerances (measured in brackets: k = 2 and k = 4, 4 st
   micro-batch, or skips the gradient sync, reads other data or other gradients).
 """
 
-import os
 
-import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from final_params import final_params, max_rel_l2  # tests/train/final_params.py
 
 from tutorial_lib.dist.launcher import launch
 from tutorial_lib.lessons.end_to_end_training import train_runs
-from tutorial_lib.train.checkpoints import checkpoint_path
 from tutorial_lib.train.data import TextData
 from tutorial_lib.train.loop import TrainConfig, build_model_and_optimizer, train_mesh, train_step
 
 STEPS = 4
-
-
-def _params(out, tmp_path) -> dict[str, torch.Tensor]:
-    """The model's full parameters from the run's last DCP checkpoint (merged into one file)."""
-    path = tmp_path / (os.path.basename(out) + ".pt")
-    dcp_to_torch_save(checkpoint_path(out, STEPS), path)
-    model = torch.load(path, weights_only=False)["train"]["model"]
-    return {k: v for k, v in model.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
-
-
-def _rel_l2(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).norm() / a[k].norm()) for k in a)
 
 
 def test_micro_batches_equal_one_batch_over_the_same_windows(tmp_path):
@@ -49,16 +34,16 @@ def test_micro_batches_equal_one_batch_over_the_same_windows(tmp_path):
             TrainConfig(batch_size=2, micro_batches=4, out=str(tmp_path / "micro"), **common),
             TrainConfig(batch_size=8, micro_batches=1, data_seed=1, out=str(tmp_path / "other"), **common)]
     one, micro, other = launch(train_runs, world_size=2, device="cpu", args=(cfgs,), timeout=600)[0].results
-    p_one, p_micro, p_other = (_params(c.out, tmp_path) for c in cfgs)
+    p_one, p_micro, p_other = (final_params(c.out, STEPS, tmp_path) for c in cfgs)
 
     assert len(one.losses) == len(micro.losses) == STEPS
     assert abs(one.losses[0] - micro.losses[0]) <= 1e-5, (one.losses[0], micro.losses[0])
     assert max(abs(a - b) for a, b in zip(one.losses, micro.losses)) <= 1e-3, (one.losses, micro.losses)
     assert abs(one.final_val_loss - micro.final_val_loss) <= 1e-3
-    assert _rel_l2(p_one, p_micro) <= 5e-3
+    assert max_rel_l2(p_one, p_micro) <= 5e-3
 
     assert max(abs(a - b) for a, b in zip(one.losses, other.losses)) > 1e-2, (one.losses, other.losses)
-    assert _rel_l2(p_one, p_other) > 5e-2
+    assert max_rel_l2(p_one, p_other) > 5e-2
 
 
 class _RecordingOptimizer:

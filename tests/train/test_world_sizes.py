@@ -13,33 +13,16 @@ order hands out the windows by rank), so the runs may differ by rounding only:
   factor (a sum where a mean belongs) would pass: Adam's ``m_hat / sqrt(v_hat)`` cancels it, up to ``eps``.
 """
 
-import os
 
 import pytest
-import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from final_params import final_params, max_rel_l2  # tests/train/final_params.py
 
 from tutorial_lib.dist.launcher import launch
 from tutorial_lib.lessons.end_to_end_training import train_runs, unshardable_reason
-from tutorial_lib.train.checkpoints import checkpoint_path
 from tutorial_lib.train.loop import TrainConfig
 from tutorial_lib.train.transformer import FORMATS
 
 STEPS, LOSS_TOL, PARAM_TOL = 4, 2e-3, 5e-2
-
-
-def _params(out: str, tmp_path) -> dict[str, torch.Tensor]:
-    """Every parameter of the run's last checkpoint, merged into one file by DCP's converter (which reads
-    every weight, quantized ones included, as fp32 values)."""
-    path = tmp_path / (os.path.basename(out) + ".pt")
-    dcp_to_torch_save(checkpoint_path(out, STEPS), path)
-    model = torch.load(path, weights_only=False)["train"]["model"]
-    return {k: v.float() for k, v in model.items() if isinstance(v, torch.Tensor) and v.is_floating_point()}
-
-
-def _rel_l2(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).norm() / a[k].norm()) for k in a)
 
 
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if not unshardable_reason(f, "tiny", 2)])
@@ -51,12 +34,12 @@ def test_two_ranks_train_like_one_rank_over_the_same_global_batch(tmp_path, fmt)
                           TrainConfig(batch_size=4, data_seed=1, out=str(tmp_path / "other"), **common))
     (one,) = launch(train_runs, world_size=1, device="cpu", args=([one_cfg],), timeout=600)[0].results
     two, other = launch(train_runs, world_size=2, device="cpu", args=([two_cfg, other_cfg],), timeout=600)[0].results
-    p_one, p_two, p_other = (_params(c.out, tmp_path) for c in (one_cfg, two_cfg, other_cfg))
+    p_one, p_two, p_other = (final_params(c.out, STEPS, tmp_path) for c in (one_cfg, two_cfg, other_cfg))
     assert len(p_one) == len(p_two) >= 10
 
     assert len(one.losses) == len(two.losses) == STEPS
     assert max(abs(a - b) for a, b in zip(one.losses, two.losses)) <= LOSS_TOL, (one.losses, two.losses)
     assert abs(one.final_val_loss - two.final_val_loss) <= LOSS_TOL
-    assert _rel_l2(p_one, p_two) <= PARAM_TOL
+    assert max_rel_l2(p_one, p_two) <= PARAM_TOL
     assert max(abs(a - b) for a, b in zip(one.losses, other.losses)) > 10 * LOSS_TOL, "other data, same losses?"
-    assert _rel_l2(p_one, p_other) > PARAM_TOL
+    assert max_rel_l2(p_one, p_other) > PARAM_TOL

@@ -105,10 +105,17 @@ def _host_median_ms(fn: Callable[[], object], warmup: int, rep: int) -> float:
     return statistics.median(times)
 
 
-def time_back_to_back(fn, steps: int = 50) -> dict:
+def time_back_to_back(fn, steps: int = 50, *, device=None) -> dict:
     """CUDA: GPU milliseconds per call of ``fn`` over ``steps`` calls issued back to back (what a
-    training loop sees: max(host, GPU) per step) and the host's wall milliseconds per call."""
+    training loop sees: max(host, GPU) per step) and the host's wall milliseconds per call. CPU
+    (``device``, by default CUDA whenever it is present, as :func:`bench_ms`): both are the wall clock."""
     fn()
+    if not _on_cuda(device):
+        t = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        wall = (time.perf_counter() - t) * 1e3 / steps
+        return {"back_to_back_ms": wall, "host_ms": wall}
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t = time.perf_counter()
