@@ -20,9 +20,12 @@ out), ``back_to_back_ms`` (GPU time per step over 50 steps issued back to back) 
 ``host_ms_per_step`` (the host's wall time per step): which of host and kernel bounds the step.
 The FP8 case times the kernel launch alone; the whole ``FusedAdam.step`` on Float8Tensor parameters with
 delayed scaling (scales gathered, the launch, amax history and next scales) is recorded beside it
-(``fused_adam_step_incl_amax_history_ms``), and where its time goes: ``fused_adam_step_split`` holds the
-GPU time per step issued back to back, the host's time per step, the time from an idle GPU (``latency_ms``)
-and, on a GPU, the device time per kernel of a profiled step (``device_time_by_kernel``).
+(``fused_adam_step_incl_amax_history_ms``, FusedAdam's default config), at every config of the kernel's sweep
+(``fused_adam_step_sweep_ms``, next to the launch alone in ``sweep_ms``: a whole step and its kernel at the same
+config differ by the step's own work, not by the launch configuration), and where its time goes:
+``fused_adam_step_split`` holds the GPU time per step issued back to back, the host's time per step, the time from
+an idle GPU (``latency_ms``) and, on a GPU, the device time per kernel of a profiled step
+(``device_time_by_kernel``).
 
 Run on a GPU (results into benchmarks/results/)::
 
@@ -59,7 +62,7 @@ from tutorial_lib.optim.fused_adam import FusedAdam
 from tutorial_lib.quant.float8 import DelayedScaling
 from tutorial_lib.quant.per_tensor import quantize_per_tensor
 
-CONFIGS = [(1024, 4), (2048, 8), (4096, 8)]  # (BLOCK, num_warps) swept for our kernels
+CONFIGS = [(1024, 4), (2048, 4), (2048, 8), (4096, 8)]  # (BLOCK, num_warps) swept for our kernels
 SMALL_CONFIGS = [(1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]  # the 2,000-tensor case
 HP = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 REPS = {"warmup": 3, "rep": 20, "rounds": 9}  # CPU wall-clock repetitions (CUDA: do_bench), alternating rounds
@@ -193,9 +196,11 @@ def fp8_case(name, sizes, device, configs, copy) -> dict:
     del masters, grads, ms, vs, outs, tables, peers, ours
     _free()
     c.update({"config": best, "sweep_ms": sweep})
-    whole, split = _fp8_optimizer_ms(sizes, device)
+    whole, split = _fp8_optimizer_ms(sizes, device, split=True)
     c["fused_adam_step_incl_amax_history_ms"] = whole
     c["fused_adam_step_split"] = split
+    c["fused_adam_step_sweep_ms"] = {f"block={b},warps={w}": _fp8_optimizer_ms(sizes, device, b, w)[0]
+                                     for b, w in configs}
     return c
 
 
@@ -213,9 +218,9 @@ def _torch_fp8_peer(masters, grads, scales):
     return step  # the caller times it next to ours, then drops it (params and state go with it)
 
 
-def _fp8_optimizer_ms(sizes, device) -> tuple[float, dict]:
-    """FusedAdam.step() on Float8Tensor params with DelayedScaling (kernel + per-param amax history): its time,
-    and where that time goes (:func:`_step_split`)."""
+def _fp8_optimizer_ms(sizes, device, block=None, num_warps=4, split=False) -> tuple[float, dict | None]:
+    """FusedAdam.step() on Float8Tensor params with DelayedScaling (kernel + per-param amax history) at a launch
+    config (default: FusedAdam's): its time, and with ``split`` where that time goes (:func:`_step_split`)."""
     g = torch.Generator(device=device).manual_seed(2)
     params = []
     for n in sizes:
@@ -223,13 +228,13 @@ def _fp8_optimizer_ms(sizes, device) -> tuple[float, dict]:
         p = torch.nn.Parameter(q.quantize(torch.randn(n, generator=g, device=device).to(torch.bfloat16)))
         p.grad = torch.randn(n, generator=g, device=device).to(torch.bfloat16)
         params.append(p)
-    opt = FusedAdam(params, **HP, master_weights=True)
+    opt = FusedAdam(params, **HP, master_weights=True, block=block, num_warps=num_warps)
     opt.step()
     ms = bench_ms(opt.step)
-    split = _step_split(opt.step, device)
+    where = _step_split(opt.step, device) if split else None
     del opt, params
     _free()
-    return ms, split
+    return ms, where
 
 
 def _step_split(step, device, profiled_steps: int = 5, top: int = 8) -> dict:

@@ -56,11 +56,13 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def default_block(max_numel: int | None = None) -> int:
-    """Elements per program. Compiled: 2048 (a few 16-byte loads in flight per thread and stream).
+    """Elements per program. Compiled: 1024 -- with FusedAdam's default ``num_warps=4`` that is two 16-byte fp32
+    loads per thread and stream, the fastest config of ``benchmarks/bench_adam.py``'s sweep for large tensors on
+    the GPUs it has run on (its JSON has every config's time; 2048 with 4 warps was markedly slower there).
     Interpreted: every program costs ~1 ms of Python plus numpy work on all BLOCK lanes, masked or
     not, so BLOCK is the largest tensor's size rounded up to a power of two, at most 65,536."""
     if not interpreted():
-        return 2048
+        return 1024
     if max_numel is None:
         return 65536
     return min(65536, max(16, triton.next_power_of_2(max_numel)))

@@ -42,3 +42,25 @@ def test_a_subset_of_implementations_is_timed_and_compared_with_the_first():
         tensor_count_sweep(1024, [1], DEV, implementations=["FusedAdam", "SGD"])
     with pytest.raises(ValueError, match=r"implementations \[\] must be some of"):
         tensor_count_sweep(1024, [1], DEV, implementations=[])
+
+
+@pytest.mark.parametrize("latency", [True, False])
+def test_steps_are_timed_from_an_idle_device_unless_asked_otherwise(monkeypatch, latency):
+    """By default every step is timed with ``bench_ms`` (do_bench); ``latency=True`` times each from an idle device
+    (``latency_ms``: host work in full, for host-bound splits), and the result says which."""
+    import tutorial_lib.harness.bench as bench
+
+    calls = {"latency_ms": 0, "bench_ms": 0}
+    for name in calls:
+        real = getattr(bench, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(bench, name, counted)
+    kw = {"latency": True} if latency else {}
+    s = tensor_count_sweep(1024, [1, 4], DEV, rounds=2, implementations=["FusedAdam", "torch AdamW fused"], **kw)
+    steps = 2 * 2 * 2  # rounds x implementations x splits; the copy ceiling is one bench_ms call either way
+    assert calls == ({"latency_ms": steps, "bench_ms": 1} if latency else {"latency_ms": 0, "bench_ms": steps + 1})
+    assert s.latency is latency and ("idle device" in s.label) is latency

@@ -5,7 +5,10 @@ The same number of fp32 parameters is split into more and more tensors; for ever
 ``torch.optim.AdamW(foreach=True)`` first take one step from identical state (their results are
 compared), then take turns in alternating rounds (:func:`tutorial_lib.harness.bench.time_rounds`):
 each round times every implementation once, the order rotating, so a drifting host or GPU clock
-affects all of them alike. A step moves at least 28 bytes per parameter (read weight, grad and the two
+affects all of them alike. Each time is ``bench_ms`` (``do_bench``: host work that overlaps the L2 flush before
+each call is not counted, as in a loop whose host runs ahead of the GPU), or with ``latency=True`` a step from an
+idle GPU (``latency_ms``: the host's work counted in full, the worst case of a host-bound step).
+A step moves at least 28 bytes per parameter (read weight, grad and the two
 moments, write weight and moments); that divided by the median step time is the bandwidth plotted
 against a device-to-device copy measured in the same run.
 
@@ -59,6 +62,7 @@ class TensorCountSweep:
     implementations: list[str]  # the names timed, in plotting order
     points: list[SweepPoint]  # one per split
     max_rel_diff: float  # largest max|p - p_ref| / max|p_ref| after the first step, any split (ref: the first)
+    latency: bool  # True: each step timed from an idle device, host work in full; False: do_bench
     label: str  # one line for a plot title (machine, torch, sizes; says INTERPRETER on a CPU)
 
 
@@ -73,11 +77,12 @@ def _params(n_tensors: int, numel_each: int, device: torch.device, seed: int) ->
 
 
 def tensor_count_sweep(total_params: int, counts: list[int], device: torch.device | str, *,
-                       rounds: int = 7, implementations: list[str] | None = None) -> TensorCountSweep:
+                       rounds: int = 7, implementations: list[str] | None = None,
+                       latency: bool = False) -> TensorCountSweep:
     """Split ``total_params`` fp32 parameters into each of ``counts`` tensors and time one optimizer
     step of every implementation (see the module docstring). ``counts`` must divide ``total_params``;
     ``implementations`` picks some of :data:`IMPLEMENTATIONS` (default: all), the first being the one
-    the others are compared with."""
+    the others are compared with; ``latency``: how each step is timed (module docstring)."""
     device = torch.device(device)
     bad = [n for n in counts if n < 1 or total_params % n]
     if bad:
@@ -101,7 +106,7 @@ def tensor_count_sweep(total_params: int, counts: list[int], device: torch.devic
                 worst = max(worst, float((a.detach() - b.detach()).abs().max() / b.detach().abs().max()))
         cpu = device.type == "cpu"
         times = time_rounds({name: opts[name].step for name in names}, rounds,
-                            warmup=1 if cpu else 3, rep=2 if cpu else 20, device=device)
+                            warmup=1 if cpu else 3, rep=2 if cpu else 20, device=device, latency=latency)
         nbytes = BYTES_PER_PARAM * total_params
         med = {k: statistics.median(v) for k, v in times.items()}
         points.append(SweepPoint(n_tensors=n, numel_each=numel, nbytes=nbytes, median_ms=med,
@@ -112,6 +117,7 @@ def tensor_count_sweep(total_params: int, counts: list[int], device: torch.devic
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     interp = interpreted()
     label = (f"{where}, torch {torch.__version__}: {total_params:,} fp32 parameters, {rounds} alternating rounds"
+             + (", steps from an idle device" if latency else "")
              + (" -- Triton INTERPRETER: not a performance measurement" if interp else ""))
     return TensorCountSweep(device=str(device), interpreted=interp, copy_GBps=copy, implementations=names,
-                            points=points, max_rel_diff=worst, label=label)
+                            points=points, max_rel_diff=worst, latency=latency, label=label)
