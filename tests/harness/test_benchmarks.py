@@ -65,6 +65,9 @@ def test_quick_run_writes_a_results_file(script, tmp_path):
         assert fp8["fused_adam_step_incl_amax_history_ms"] > 0 and min(
             split[k] for k in ("back_to_back_ms", "host_ms", "latency_ms")) > 0
         assert (split["kernels"] != {}) == torch.cuda.is_available() and split["device_ms_total"] >= 0
+        # the whole step at every config of the kernel's sweep, so the two compare config by config
+        assert set(fp8["fused_adam_step_sweep_ms"]) == set(fp8["sweep_ms"]) and min(
+            fp8["fused_adam_step_sweep_ms"].values()) > 0
     if script == "bench_host_overhead.py":  # host time per call, the GPU kept busy: no device time at all
         assert {c["timing"] for c in doc["cases"]} == {"host"}
     if script == "bench_adam_fsdp2.py":  # latencies: never pooled with the runs do_bench timed
@@ -118,3 +121,50 @@ def test_fp8_gemm_error_check_fails_on_one_wrong_element():
     assert over_bound(out) > 1
     with pytest.raises(ValueError, match="expected a torch.bfloat16"):
         over_bound(out[:-1])
+
+
+def test_bench_adam_times_the_kernel_fused_adam_launches(monkeypatch):
+    """bench_adam's FP8 row puts the standalone kernel launch (tables built by hand) next to the whole FusedAdam
+    step at the same (block, num_warps): only a difference in the step's own work may separate the two, so both
+    must launch the same specialization of the kernel over the same grid."""
+    import tutorial_kernels.adam as k
+    import tutorial_kernels.adam_tables as kt
+
+    from tutorial_lib.optim.adamw_reference import adam_step_scalars_tensor
+    from tutorial_lib.optim.fused_adam import FusedAdam
+    from tutorial_lib.quant.float8 import DelayedScaling
+
+    spec = importlib.util.spec_from_file_location("bench_adam", REPO_ROOT / "benchmarks" / "bench_adam.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    launches, real = [], k._adam_multi_tensor_kernel
+
+    class Recorded:  # records grid and constexprs (everything that is not a tensor) of every launch
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                launches.append((grid, {n: v for n, v in kw.items() if not isinstance(v, torch.Tensor)}))
+                return real[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(k, "_adam_multi_tensor_kernel", Recorded())
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    sizes, block, warps, g = [3000, 5000], 1024, 4, torch.Generator().manual_seed(0)
+    masters = [torch.randn(n, generator=g).to(dev) for n in sizes]
+    grads = [torch.randn(n, generator=g).to(dev, torch.bfloat16) for n in sizes]
+    # the tables hold raw addresses, not the tensors: every buffer stays referenced here while the kernel runs
+    ms, vs = [torch.zeros_like(m) for m in masters], [torch.zeros_like(m) for m in masters]
+    outs = [torch.empty(n, dtype=torch.uint8, device=dev) for n in sizes]
+    invs = [torch.empty((), device=dev) for _ in sizes]
+    tables = kt.build_tables(masters, ms, vs, grad_dtype=torch.bfloat16, outs=outs, out_kind="fp8", scale_invs=invs,
+                             fp8_format="e4m3", block=block)
+    kt.set_grads(tables, torch.tensor([x.data_ptr() for x in grads], dtype=torch.int64))
+    hyper = adam_step_scalars_tensor(torch.ones(len(sizes)), bench.HP["lr"], *bench.HP["betas"]).to(dev)
+    k.launch_adamw(tables, hyper, scales=torch.full((len(sizes),), 100.0, device=dev), num_warps=warps, **bench.HP)
+    params = []
+    for n in sizes:  # as bench_adam's whole-step case builds them
+        p = torch.nn.Parameter(DelayedScaling("e4m3", history_len=16).quantize(
+            torch.randn(n, generator=g).to(dev, torch.bfloat16)))
+        p.grad = torch.randn(n, generator=g).to(dev, torch.bfloat16)
+        params.append(p)
+    FusedAdam(params, **bench.HP, master_weights=True, block=block, num_warps=warps).step()
+    assert len(launches) == 2 and launches[0] == launches[1], launches
