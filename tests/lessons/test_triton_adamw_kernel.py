@@ -45,7 +45,7 @@ def test_a_subset_of_implementations_is_timed_and_compared_with_the_first():
 
 
 @pytest.mark.parametrize("latency", [True, False])
-def test_steps_are_timed_from_an_idle_device_unless_asked_otherwise(monkeypatch, latency):
+def test_steps_are_timed_with_do_bench_unless_latency_is_asked_for(monkeypatch, latency):
     """By default every step is timed with ``bench_ms`` (do_bench); ``latency=True`` times each from an idle device
     (``latency_ms``: host work in full, for host-bound splits), and the result says which."""
     import tutorial_lib.harness.bench as bench
