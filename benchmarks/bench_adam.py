@@ -163,45 +163,70 @@ def bf16_master_case(name, sizes, device, configs, copy) -> dict:
 
 def fp8_case(name, sizes, device, configs, copy) -> dict:
     """fp32 master + bf16 grad -> FP8 bytes + scale_inv + amax: the kernel launch, tables prebuilt."""
-    g = torch.Generator(device=device).manual_seed(1)
-    masters = [torch.randn(n, generator=g, device=device) for n in sizes]
-    grads = [torch.randn(n, generator=g, device=device).to(torch.bfloat16) for n in sizes]
-    ms = [torch.zeros(n, device=device) for n in sizes]
-    vs = [torch.zeros(n, device=device) for n in sizes]
-    outs = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
-    invs = [torch.empty((), device=device) for _ in sizes]
-    scales = torch.full((len(sizes),), 100.0, device=device)
-    hyper = adam_step_scalars_tensor(torch.ones(len(sizes)), HP["lr"], *HP["betas"]).to(device)
-    addresses = torch.tensor([x.data_ptr() for x in grads], dtype=torch.int64)
+    default = (kt.default_block(max(sizes)), 4)  # FusedAdam's launch config: always swept
+    configs = list(dict.fromkeys([*configs, default]))
+    inputs = _fp8_kernel_inputs(sizes, device)
     sweep = {}
     for block, warps in configs:
-        tables = kt.build_tables(masters, ms, vs, grad_dtype=torch.bfloat16, outs=outs, out_kind="fp8",
-                                scale_invs=invs, fp8_format="e4m3", block=block)
-        kt.set_grads(tables, addresses)
-        run = lambda t=tables, w=warps: k.launch_adamw(t, hyper, scales=scales, num_warps=w, **HP)  # noqa: E731
+        run = _fp8_launch(inputs, block, warps)
         run()
         sweep[f"block={block},warps={warps}"] = bench_ms(run)
     best = min(sweep, key=sweep.get)
     # correctness of what was timed: bytes of the last launch == quantize(master, scale)
-    assert torch.equal(outs[0], quantize_per_tensor(masters[0], scales[0], "e4m3")), "FP8 bytes differ"
-    block, warps = (int(x.split("=")[1]) for x in best.split(","))
-    tables = kt.build_tables(masters, ms, vs, grad_dtype=torch.bfloat16, outs=outs, out_kind="fp8",
-                             scale_invs=invs, fp8_format="e4m3", block=block)
-    kt.set_grads(tables, addresses)
-    peers = {"torch AdamW fused (fp32 grads) + per-tensor torch cast": _torch_fp8_peer(masters, grads, scales)}
-    ours = lambda t=tables: k.launch_adamw(t, hyper, scales=scales, num_warps=warps, **HP)  # noqa: E731
+    assert torch.equal(inputs["outs"][0], quantize_per_tensor(inputs["masters"][0], inputs["scales"][0], "e4m3")), \
+        "FP8 bytes differ"
+    ours = _fp8_launch(inputs, *_config(best))
+    peers = {"torch AdamW fused (fp32 grads) + per-tensor torch cast":
+             _torch_fp8_peer(inputs["masters"], inputs["grads"], inputs["scales"])}
     c = alternating_case(name, ours, peers,
                          nbytes=adam_bytes_per_element(0, 2, out_bytes=1, master=True) * sum(sizes), copy_GBps=copy,
                          rounds=REPS["rounds"])
-    del masters, grads, ms, vs, outs, tables, peers, ours
+    del inputs, peers, ours, run
     _free()
     c.update({"config": best, "sweep_ms": sweep})
-    whole, split = _fp8_optimizer_ms(sizes, device, split=True)
-    c["fused_adam_step_incl_amax_history_ms"] = whole
-    c["fused_adam_step_split"] = split
-    c["fused_adam_step_sweep_ms"] = {f"block={b},warps={w}": _fp8_optimizer_ms(sizes, device, b, w)[0]
-                                     for b, w in configs}
+    # the whole step at every swept config, and where its time goes at FusedAdam's default config
+    c["fused_adam_step_sweep_ms"] = {}
+    for block, warps in configs:
+        ms, split = _fp8_optimizer_ms(sizes, device, block, warps, split=(block, warps) == default)
+        c["fused_adam_step_sweep_ms"][f"block={block},warps={warps}"] = ms
+        if split is not None:
+            c["fused_adam_step_incl_amax_history_ms"], c["fused_adam_step_split"] = ms, split
     return c
+
+
+def _config(key: str) -> tuple[int, int]:
+    """``"block=1024,warps=4"`` -> ``(1024, 4)``."""
+    block, warps = (int(x.split("=")[1]) for x in key.split(","))
+    return block, warps
+
+
+def _fp8_kernel_inputs(sizes, device) -> dict:
+    """The standalone FP8 launch's buffers: fp32 masters and moments, bf16 grads, FP8 outputs and scale_invs,
+    per-tensor scales, the step scalars and the grads' addresses."""
+    g = torch.Generator(device=device).manual_seed(1)
+    masters = [torch.randn(n, generator=g, device=device) for n in sizes]
+    grads = [torch.randn(n, generator=g, device=device).to(torch.bfloat16) for n in sizes]
+    return {"masters": masters, "grads": grads,
+            "ms": [torch.zeros(n, device=device) for n in sizes], "vs": [torch.zeros(n, device=device) for n in sizes],
+            "outs": [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes],
+            "invs": [torch.empty((), device=device) for _ in sizes],
+            "scales": torch.full((len(sizes),), 100.0, device=device),
+            "hyper": adam_step_scalars_tensor(torch.ones(len(sizes)), HP["lr"], *HP["betas"]).to(device),
+            "addresses": torch.tensor([x.data_ptr() for x in grads], dtype=torch.int64)}
+
+
+def _fp8_launch(inputs: dict, block: int, num_warps: int):
+    """The FP8 AdamW kernel launch at a config, tables built once: a closure that keeps ``inputs`` referenced (the
+    tables hold raw addresses, not the tensors)."""
+    tables = kt.build_tables(inputs["masters"], inputs["ms"], inputs["vs"], grad_dtype=torch.bfloat16,
+                             outs=inputs["outs"], out_kind="fp8", scale_invs=inputs["invs"], fp8_format="e4m3",
+                             block=block)
+    kt.set_grads(tables, inputs["addresses"])
+
+    def run(t=tables, held=inputs):
+        k.launch_adamw(t, held["hyper"], scales=held["scales"], num_warps=num_warps, **HP)
+
+    return run
 
 
 def _torch_fp8_peer(masters, grads, scales):
@@ -218,9 +243,9 @@ def _torch_fp8_peer(masters, grads, scales):
     return step  # the caller times it next to ours, then drops it (params and state go with it)
 
 
-def _fp8_optimizer_ms(sizes, device, block=None, num_warps=4, split=False) -> tuple[float, dict | None]:
-    """FusedAdam.step() on Float8Tensor params with DelayedScaling (kernel + per-param amax history) at a launch
-    config (default: FusedAdam's): its time, and with ``split`` where that time goes (:func:`_step_split`)."""
+def _fp8_optimizer(sizes, device, block=None, num_warps=4) -> FusedAdam:
+    """FusedAdam with fp32 masters over bf16-quantized Float8Tensor parameters (DelayedScaling, 16-step amax
+    history) with bf16 grads, at a launch config (default: FusedAdam's)."""
     g = torch.Generator(device=device).manual_seed(2)
     params = []
     for n in sizes:
@@ -228,11 +253,17 @@ def _fp8_optimizer_ms(sizes, device, block=None, num_warps=4, split=False) -> tu
         p = torch.nn.Parameter(q.quantize(torch.randn(n, generator=g, device=device).to(torch.bfloat16)))
         p.grad = torch.randn(n, generator=g, device=device).to(torch.bfloat16)
         params.append(p)
-    opt = FusedAdam(params, **HP, master_weights=True, block=block, num_warps=num_warps)
+    return FusedAdam(params, **HP, master_weights=True, block=block, num_warps=num_warps)
+
+
+def _fp8_optimizer_ms(sizes, device, block=None, num_warps=4, split=False) -> tuple[float, dict | None]:
+    """The whole FusedAdam.step() of :func:`_fp8_optimizer` (kernel + per-param amax history): its time, and with
+    ``split`` where that time goes (:func:`_step_split`)."""
+    opt = _fp8_optimizer(sizes, device, block, num_warps)
     opt.step()
     ms = bench_ms(opt.step)
     where = _step_split(opt.step, device) if split else None
-    del opt, params
+    del opt
     _free()
     return ms, where
 
@@ -260,8 +291,8 @@ def _step_split(step, device, profiled_steps: int = 5, top: int = 8) -> dict:
 def main(argv=None) -> None:
     args, device, out = benchmark_args(__doc__, argv, temp_prefix="bench-adam-")
     if args.quick:
-        big, small, configs = split_sizes(60_000, 6), split_sizes(40_000, 20), [(4096, 4)]
-        small_configs = configs
+        big, small = split_sizes(60_000, 6), split_sizes(40_000, 20)
+        configs, small_configs = [(kt.default_block(max(big)), 4)], [(4096, 4)]  # as the full run: default swept
         REPS.update(warmup=1, rep=3, rounds=2)
     else:
         big, small = split_sizes(805_000_000, 108), split_sizes(98_000_000, 2000)

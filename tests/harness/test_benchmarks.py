@@ -68,6 +68,8 @@ def test_quick_run_writes_a_results_file(script, tmp_path):
         # the whole step at every config of the kernel's sweep, so the two compare config by config
         assert set(fp8["fused_adam_step_sweep_ms"]) == set(fp8["sweep_ms"]) and min(
             fp8["fused_adam_step_sweep_ms"].values()) > 0
+        # FusedAdam's default config is swept (quick run as full run): its whole step is that sweep entry
+        assert fp8["fused_adam_step_incl_amax_history_ms"] in fp8["fused_adam_step_sweep_ms"].values()
     if script == "bench_host_overhead.py":  # host time per call, the GPU kept busy: no device time at all
         assert {c["timing"] for c in doc["cases"]} == {"host"}
     if script == "bench_adam_fsdp2.py":  # latencies: never pooled with the runs do_bench timed
@@ -128,11 +130,6 @@ def test_bench_adam_times_the_kernel_fused_adam_launches(monkeypatch):
     step at the same (block, num_warps): only a difference in the step's own work may separate the two, so both
     must launch the same specialization of the kernel over the same grid."""
     import tutorial_kernels.adam as k
-    import tutorial_kernels.adam_tables as kt
-
-    from tutorial_lib.optim.adamw_reference import adam_step_scalars_tensor
-    from tutorial_lib.optim.fused_adam import FusedAdam
-    from tutorial_lib.quant.float8 import DelayedScaling
 
     spec = importlib.util.spec_from_file_location("bench_adam", REPO_ROOT / "benchmarks" / "bench_adam.py")
     bench = importlib.util.module_from_spec(spec)
@@ -147,24 +144,8 @@ def test_bench_adam_times_the_kernel_fused_adam_launches(monkeypatch):
             return run
 
     monkeypatch.setattr(k, "_adam_multi_tensor_kernel", Recorded())
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    sizes, block, warps, g = [3000, 5000], 1024, 4, torch.Generator().manual_seed(0)
-    masters = [torch.randn(n, generator=g).to(dev) for n in sizes]
-    grads = [torch.randn(n, generator=g).to(dev, torch.bfloat16) for n in sizes]
-    # the tables hold raw addresses, not the tensors: every buffer stays referenced here while the kernel runs
-    ms, vs = [torch.zeros_like(m) for m in masters], [torch.zeros_like(m) for m in masters]
-    outs = [torch.empty(n, dtype=torch.uint8, device=dev) for n in sizes]
-    invs = [torch.empty((), device=dev) for _ in sizes]
-    tables = kt.build_tables(masters, ms, vs, grad_dtype=torch.bfloat16, outs=outs, out_kind="fp8", scale_invs=invs,
-                             fp8_format="e4m3", block=block)
-    kt.set_grads(tables, torch.tensor([x.data_ptr() for x in grads], dtype=torch.int64))
-    hyper = adam_step_scalars_tensor(torch.ones(len(sizes)), bench.HP["lr"], *bench.HP["betas"]).to(dev)
-    k.launch_adamw(tables, hyper, scales=torch.full((len(sizes),), 100.0, device=dev), num_warps=warps, **bench.HP)
-    params = []
-    for n in sizes:  # as bench_adam's whole-step case builds them
-        p = torch.nn.Parameter(DelayedScaling("e4m3", history_len=16).quantize(
-            torch.randn(n, generator=g).to(dev, torch.bfloat16)))
-        p.grad = torch.randn(n, generator=g).to(dev, torch.bfloat16)
-        params.append(p)
-    FusedAdam(params, **bench.HP, master_weights=True, block=block, num_warps=warps).step()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sizes, block, warps = [3000, 5000], 1024, 4
+    bench._fp8_launch(bench._fp8_kernel_inputs(sizes, dev), block, warps)()  # the benchmark's own setups
+    bench._fp8_optimizer(sizes, dev, block, warps).step()
     assert len(launches) == 2 and launches[0] == launches[1], launches
