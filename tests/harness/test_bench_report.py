@@ -97,3 +97,23 @@ def test_the_per_rank_ratios_name_how_the_case_was_timed(tmp_path):
     assert "DTensor/plain per rank, kernel time (do_bench): \\[0.857, 0.894\\]" in _row(tmp_path, base)[1]
     latency = _row(tmp_path, {**base, "timing": "latency"}, "k2")[1]
     assert "DTensor/plain per rank, latency: \\[0.857, 0.894\\]" in latency
+
+
+def test_compiled_peers_that_differ_from_eager_are_named_under_the_table(tmp_path):
+    """A ``torch.compile`` peer that does not reproduce the eager reference computes other roundings: the table
+    names it (newest run only); a run whose compiled peers all matched adds nothing."""
+    def write(stem, date, matches):
+        c = {**case("cast", 1.0, peers={"torch.compile": 1.2}, nbytes=1, copy_GBps=100.0),
+             "compile_matches_eager": matches}
+        doc = {"machine": "GPU x1", "torch": "t", "triton": "tr", "date": date, "copy_GBps": 100.0, "cases": [c]}
+        (tmp_path / f"{stem}-GPU_x1-{date[:10]}.json").write_text(json.dumps(doc))
+
+    write("kern", "2026-01-01T00:00:00", {"amax": True})
+    assert "compile_matches_eager" not in results_markdown(tmp_path)
+    write("kern", "2026-01-02T00:00:00", {"amax": True, "cast {'pow2': False}": False, "cast {'pow2': True}": True})
+    write("other", "2026-01-01T00:00:00", {"q": False})
+    text = results_markdown(tmp_path)
+    note = text.splitlines()[-1]
+    assert note.endswith("roundings: kern: cast {'pow2': False}; other: q."), note
+    write("kern", "2026-01-03T00:00:00", {"amax": True})  # the newest run decides
+    assert "kern:" not in results_markdown(tmp_path).splitlines()[-1]

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from tutorial_lib.harness.bench import alternating_case, latency_ms, time_rounds
+from tutorial_lib.harness.bench import alternating_case, eager_and_compiled_fns, latency_ms, time_rounds
 from tutorial_lib.harness.bench_report import NOT_COPY_BOUND, results_markdown
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,3 +80,23 @@ def test_report_shows_no_fraction_of_copy_for_interconnect_benchmarks(tmp_path):
     _run(tmp_path, "GPU x2", "2026-01-01T00:00:00", stem, ours_ms=1.0, fraction=0.1)
     row = next(line for line in results_markdown(tmp_path).splitlines() if line.startswith(f"| {stem} "))
     assert [c.strip() for c in row.split("|")[1:-1]][5] == "-"
+
+
+def test_compiled_peers_record_whether_they_match_eager_per_call_options(monkeypatch):
+    """One reference called with two option sets is two peers: each records its own answer to "does
+    torch.compile reproduce the eager bytes?" (a shared key kept only the last answer). torch.compile is
+    replaced by a wrapper that gets one option set wrong, so no compiler runs."""
+    def scaled(x, *, pow2=False):
+        return x * (2.0 if pow2 else 3.0)
+
+    def fake_compile(fn):
+        return lambda *a, **kw: fn(*a, **kw) + (1 if not kw.get("pow2") else 0)  # wrong without pow2
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    x, record = torch.randn(8), {}
+    for kwargs in ({"pow2": True}, {"pow2": False}):
+        peers = eager_and_compiled_fns(scaled, x, equal=torch.equal, record=record, **kwargs)
+        assert torch.equal(peers["torch eager"](), scaled(x, **kwargs))
+    eager_and_compiled_fns(scaled, x, equal=torch.equal, record=record)  # no options: the name alone
+    eager_and_compiled_fns(scaled, x, equal=torch.equal, record=record, key="named", pow2=True)
+    assert record == {"scaled {'pow2': True}": True, "scaled {'pow2': False}": False, "scaled": False, "named": True}

@@ -366,8 +366,9 @@ def eager_and_compiled_fns(
     (the torch reference) eager, and under ``torch.compile``.
 
     ``equal(compiled_out, eager_out)`` says whether compile reproduced the reference's bytes; the
-    answer goes into ``record[key]`` (default key: the function's name) and is printed with the
-    compile time, so a benchmark never compares against a peer that computes something else silently.
+    answer goes into ``record[key]`` (default key: the function's name, followed by ``kwargs`` when there are
+    any, so one reference called with other options gets an entry of its own) and is printed with the compile
+    time, so a benchmark never compares against a peer that computes something else silently.
     """
     peers = {"torch eager": lambda: fn(*args, **kwargs)}
     if compiled:
@@ -378,7 +379,7 @@ def eager_and_compiled_fns(
               f"{'same bytes as eager' if same else 'DIFFERENT bytes from eager'})", flush=True)
         peers["torch.compile"] = lambda: compiled_fn(*args, **kwargs)
         if record is not None:
-            record[key or fn.__name__] = same
+            record[key or (f"{fn.__name__} {kwargs}" if kwargs else fn.__name__)] = same
     return peers
 
 

@@ -140,7 +140,25 @@ def results_markdown(results_dir: str | Path) -> str:
             ours_s = f"{c['ours_ms']:.3f}" + _range(ours_all, "{:.3f}")
             lines.append(f"| {stem} | {_case_label(c)} | {ours_s} | {peer} | {ratio} | {frac_s} | {len(history)} "
                          f"| {where} |")
+    differ = _compiled_peers_that_differ(runs)
+    if differ:
+        named = "; ".join(f"{stem}: {', '.join(map(_cell, keys))}" for stem, keys in differ)
+        lines += ["", "`torch.compile` peers whose output differed from the eager torch reference's in the newest run "
+                      "(its `compile_matches_eager`; ours equals the eager reference), so their times are for other "
+                      f"roundings: {named}."]
     return "\n".join(lines)
+
+
+def _compiled_peers_that_differ(runs: dict) -> list[tuple[str, list[str]]]:
+    """(benchmark, the references whose ``torch.compile`` gave other bytes than eager) of each newest run that
+    recorded ``compile_matches_eager`` (one dict per run, copied into every case; keyed by reference name,
+    with its options where the run recorded them)."""
+    out = []
+    for stem, (doc, _) in sorted(runs.items()):
+        matches = next((c["compile_matches_eager"] for c in doc["cases"] if "compile_matches_eager" in c), {})
+        if keys := [k for k, same in matches.items() if not same]:
+            out.append((stem, keys))
+    return out
 
 
 def _cell(text: str) -> str:
