@@ -126,7 +126,7 @@ def test_fp8_gemm_error_check_fails_on_one_wrong_element():
 
 
 def test_bench_adam_times_the_kernel_fused_adam_launches(monkeypatch):
-    """bench_adam's FP8 row puts the standalone kernel launch (tables built by hand) next to the whole FusedAdam
+    """bench_adam's FP8 row puts the standalone kernel launch (tables built by the script) next to the whole FusedAdam
     step at the same (block, num_warps): only a difference in the step's own work may separate the two, so both
     must launch the same specialization of the kernel over the same grid."""
     import tutorial_kernels.adam as k
