@@ -17,6 +17,19 @@ import pytest
 import torch
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (``-n N``), each worker and every rank it launches runs one thread.
+
+    Without it, N workers each launch ranks that take ``cores / ranks`` threads (the launcher's share for
+    one launch), and the CUDA ranks and the workers themselves one per core: the cores are oversubscribed
+    N-fold, OpenMP's spinning threads stall each other, and gloo ranks fall behind by more than the
+    collective timeout. A caller's own ``OMP_NUM_THREADS`` stands.
+    """
+    if hasattr(config, "workerinput") and "OMP_NUM_THREADS" not in os.environ:   # an xdist worker
+        os.environ["OMP_NUM_THREADS"] = "1"   # inherited by the ranks a test launches (fresh interpreters)
+        torch.set_num_threads(1)
+
+
 def pytest_addoption(parser):
     parser.addoption("--nb-device", default=os.environ.get("TUTORIAL_DEVICE", "auto"),
                      choices=["auto", "cpu", "cuda"], help="device parameter for lesson notebooks")

@@ -47,6 +47,7 @@ EXERCISED = {
     "-p world_size 2 "
     "-p quick True": "test_papermill_command",
     'make test ARGS="--nb-device cuda"': "test_gpu_commands",
+    'make test ARGS="--nb-device cuda -n 8"': "test_gpu_test_arguments_are_accepted",
     ".venv/bin/python -m tutorial_lib.harness.notebooks run --device cuda --world-size 2 --full": "test_gpu_commands",
 }
 
@@ -126,11 +127,13 @@ def test_gpu_commands(tmp_path):
 def test_gpu_test_arguments_are_accepted():
     """``make test ARGS=...`` passes its ARGS to pytest; the GPU node runs the whole suite with them
     (that run is recorded in the README); here we check pytest accepts them and collects the lessons."""
-    pytest_cmd = next(c for c in EXERCISED if "--nb-device cuda" in c)
-    args = re.search(r'ARGS="([^"]+)"', pytest_cmd).group(1)
-    r = _run(f"{sys.executable} -m pytest {args} --collect-only -q tests/harness/test_notebooks.py")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "test_lesson_runs[00_start_here]" in r.stdout
+    pytest_cmds = [c for c in EXERCISED if "--nb-device cuda" in c]
+    assert len(pytest_cmds) == 2, pytest_cmds   # serial, and in pytest-xdist workers
+    for pytest_cmd in pytest_cmds:
+        args = re.search(r'ARGS="([^"]+)"', pytest_cmd).group(1)
+        r = _run(f"{sys.executable} -m pytest {args} --collect-only -q tests/harness/test_notebooks.py")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "test_lesson_runs[00_start_here]" in r.stdout, r.stdout
 
 
 def test_benchmark_table_matches_recorded_results():

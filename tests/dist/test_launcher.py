@@ -282,6 +282,22 @@ def test_cpu_ranks_share_the_cores(monkeypatch):
     assert [r.threads for r in out] == [max(1, (os.cpu_count() or 1) // 2)] * 2
 
 
+def test_under_xdist_workers_and_the_ranks_they_launch_run_one_thread(request):
+    """``pytest -n N`` (tests/conftest.py): one thread per worker and per launched rank, not cores / ranks
+    each. Run here under xdist in a child pytest (this test again, marked as the probe), whatever runs us."""
+    if os.environ.get("TUTORIAL_XDIST_PROBE") != "1":
+        env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"TUTORIAL_XDIST_PROBE": "1"}
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "-p", "no:cacheprovider",
+                            f"{__file__}::{request.node.name}"], env=env, capture_output=True, text=True,
+                           timeout=300, cwd=request.config.rootpath)
+        assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+        return
+    assert hasattr(request.config, "workerinput"), "the probe must run in an xdist worker"
+    assert os.environ.get("OMP_NUM_THREADS") == "1" and torch.get_num_threads() == 1
+    out = launch(rf.rank_identity, world_size=2, device="cpu", timeout=120, echo=False)
+    assert [r.threads for r in out] == [1, 1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the launcher sets cuBLAS's workspace config in CUDA ranks")
 def test_cuda_ranks_are_deterministic_unless_asked_not_to_be(monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)

@@ -114,6 +114,6 @@ def test_compiled_peers_that_differ_from_eager_are_named_under_the_table(tmp_pat
     write("other", "2026-01-01T00:00:00", {"q": False})
     text = results_markdown(tmp_path)
     note = text.splitlines()[-1]
-    assert note.endswith("roundings: kern: cast {'pow2': False}; other: q."), note
+    assert "roundings: kern: cast {'pow2': False}; other: q. `benchmarks/compile_numerics.py`" in note, note
     write("kern", "2026-01-03T00:00:00", {"amax": True})  # the newest run decides
     assert "kern:" not in results_markdown(tmp_path).splitlines()[-1]

@@ -149,3 +149,22 @@ def test_bench_adam_times_the_kernel_fused_adam_launches(monkeypatch):
     bench._fp8_launch(bench._fp8_kernel_inputs(sizes, dev), block, warps)()  # the benchmark's own setups
     bench._fp8_optimizer(sizes, dev, block, warps).step()
     assert len(launches) == 2 and launches[0] == launches[1], launches
+
+
+def test_compile_numerics_counts_each_reference_under_both_division_settings(monkeypatch):
+    """``benchmarks/compile_numerics.py --quick``: every reference under both settings, each child with the flag
+    it was given (``run`` checks Inductor's config saw it). On the CPU Inductor's C++ divides correctly rounded:
+    every compiled reference equals eager's bits with either setting. On a GPU, with the emulation on, the
+    per-tensor casts -- whose only rounding-sensitive step is one fp32 division -- equal eager's too."""
+    spec = importlib.util.spec_from_file_location("compile_numerics", REPO_ROOT / "benchmarks" / "compile_numerics.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)  # its dataclass looks its module up there
+    spec.loader.exec_module(script)
+    rows = script.run(quick=True)
+    assert sorted((r.reference, r.emulated) for r in rows) == sorted(
+        (name, e) for name in script.references(4096, torch.device("cpu")) for e in (False, True))
+    assert all(r.total > 16_000 for r in rows), rows
+    if not torch.cuda.is_available():
+        assert all(r.differing == 0 for r in rows), rows
+    else:
+        assert all(r.differing == 0 for r in rows if r.emulated and r.reference.startswith("cast_")), rows

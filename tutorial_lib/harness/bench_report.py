@@ -145,7 +145,9 @@ def results_markdown(results_dir: str | Path) -> str:
         named = "; ".join(f"{stem}: {', '.join(map(_cell, keys))}" for stem, keys in differ)
         lines += ["", "`torch.compile` peers whose output differed from the eager torch reference's in the newest run "
                       "(its `compile_matches_eager`; ours equals the eager reference), so their times are for other "
-                      f"roundings: {named}."]
+                      f"roundings: {named}. `benchmarks/compile_numerics.py` counts the differing elements with "
+                      "Inductor's default fp32 division and with correctly rounded division emulated "
+                      "(`TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING=1`)."]
     return "\n".join(lines)
 
 
