@@ -4,19 +4,25 @@ against its division rounding emulated (``TORCHINDUCTOR_EMULATE_DIVISION_ROUNDIN
 The cast and quantize benchmarks time ``torch.compile`` of our torch references as peers and record
 whether the compiled output equals eager's (``compile_matches_eager`` in their results; the README's table
 names the peers that did not). A peer that computes other bytes is not the same computation, so this
-script asks where the difference comes from. In the Triton code Inductor generates for a GPU, an fp32
-``a / b`` is Triton's default division, which is not correctly rounded, unless
-``torch._inductor.config.eager_numerics.division_rounding`` is set -- by that environment variable, read
-once when Inductor's config is imported; eager PyTorch and our kernels divide with round-to-nearest.
-The flag is therefore set per child process: one child per setting, each compiling every reference
-afresh and counting the elements (codes and scales) whose bits differ from eager's::
+script asks where the difference comes from. Two rewrites in Inductor's GPU code can change fp32
+roundings (``torch/_inductor``: ``config.py`` and ``lowering.py``, read in torch 2.13):
 
-    reference                         default division   division rounding emulated
-    cast_current_scaling              n of N             n of N
+* ``a / b`` becomes Triton's default division, which is not correctly rounded, unless
+  ``config.eager_numerics.division_rounding`` is set -- by the environment variable above, read once
+  when Inductor's config is imported, so each setting runs in a child process of its own;
+* ``a / c`` with ``c`` a constant (a Python number, or ``torch.full_like(a, c)``) becomes ``a * (1 / c)``
+  on every device but the CPU, whatever that flag says; for most ``c`` the fp32 reciprocal is inexact.
+
+Eager PyTorch (tensor by tensor) and our kernels divide with round-to-nearest. Per setting, every reference is
+compiled afresh and the elements whose bits differ from eager's are counted, codes (uint8) and scales (fp32:
+scale, scale_inv, amax) apart::
+
+    reference                           default division        division rounding emulated
+    cast_current_scaling                codes c of N, scales s   codes c of N, scales s
     ...
 
-On the CPU Inductor emits C++, whose ``/`` is the correctly rounded IEEE division: every count is zero
-with either setting (``--quick`` checks exactly that in the tests).
+On the CPU Inductor emits C++ and keeps the division: every count is zero with either setting (``--quick``
+checks exactly that in the tests).
 
     python benchmarks/compile_numerics.py            # one GPU: 2**26 elements per tensor
     python benchmarks/compile_numerics.py --quick    # tiny, CPU ok
@@ -42,22 +48,25 @@ class Row:
 
     reference: str  # the torch reference and its options
     emulated: bool  # whether Inductor emulated correctly rounded division
-    differing: int  # elements (codes and scales) whose bits differ from eager's
-    total: int  # elements compared
+    codes: tuple[int, int]  # (differing, total) FP8 codes (uint8 elements), bit for bit against eager
+    scales: tuple[int, int]  # (differing, total) fp32 elements: scales, inverse scales, amaxes
+
+    def __post_init__(self):  # from JSON, pairs arrive as lists
+        object.__setattr__(self, "codes", tuple(self.codes))
+        object.__setattr__(self, "scales", tuple(self.scales))
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
-
-
-def _differing(a, b) -> tuple[int, int]:
-    """(differing, total) elements of two outputs: a tensor or a tuple of tensors, compared bit for bit."""
-    if isinstance(a, torch.Tensor):
-        if a.shape != b.shape or a.dtype != b.dtype:
+def _count(compiled, eager) -> dict[torch.dtype, list[int]]:
+    """dtype -> [differing, total] over the output's tensors (a tensor or a tuple of them), bit for bit."""
+    pairs = [(compiled, eager)] if isinstance(compiled, torch.Tensor) else list(zip(compiled, eager, strict=True))
+    counts: dict[torch.dtype, list[int]] = {torch.uint8: [0, 0], torch.float32: [0, 0]}
+    for a, b in pairs:
+        if a.shape != b.shape or a.dtype != b.dtype or a.dtype not in counts:
             raise AssertionError(f"compiled output {a.dtype} {tuple(a.shape)} vs eager {b.dtype} {tuple(b.shape)}")
-        return int((_bits(a) != _bits(b)).sum()), a.numel()
-    pairs = [_differing(x, y) for x, y in zip(a, b, strict=True) if isinstance(x, torch.Tensor)]
-    return sum(d for d, _ in pairs), sum(n for _, n in pairs)
+        bits = (lambda t: t.view(torch.int32)) if a.dtype == torch.float32 else (lambda t: t)
+        counts[a.dtype][0] += int((bits(a) != bits(b)).sum())
+        counts[a.dtype][1] += a.numel()
+    return counts
 
 
 def references(n: int, device: torch.device) -> dict[str, tuple]:
@@ -89,7 +98,8 @@ def measure(n: int, device: torch.device) -> list[Row]:
     rows = []
     for name, (fn, args) in references(n, device).items():
         torch._dynamo.reset()
-        rows.append(Row(name, emulated, *_differing(torch.compile(fn)(*args), fn(*args))))
+        counts = _count(torch.compile(fn)(*args), fn(*args))
+        rows.append(Row(name, emulated, tuple(counts[torch.uint8]), tuple(counts[torch.float32])))
     return rows
 
 
@@ -124,12 +134,11 @@ def main(argv=None) -> None:
     rows = run(args.quick)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}: elements whose bits differ from eager's")
-    print(f"{'reference':36s} {'default division':>22s} {'division rounding emulated':>28s}")
+    print(f"{'reference':36s} {'default division':>40s} {'division rounding emulated':>40s}")
     for ref_name in dict.fromkeys(r.reference for r in rows):
-        cells = [next(f"{r.differing:,} of {r.total:,}" for r in rows if r.reference == ref_name and r.emulated == e)
-                 for e in (False, True)]
-        print(f"{ref_name:36s} {cells[0]:>22s} {cells[1]:>28s}")
-
+        cells = [next(f"codes {r.codes[0]:,} of {r.codes[1]:,}, scales {r.scales[0]:,} of {r.scales[1]:,}"
+                      for r in rows if r.reference == ref_name and r.emulated == e) for e in (False, True)]
+        print(f"{ref_name:36s} {cells[0]:>40s} {cells[1]:>40s}")
 
 if __name__ == "__main__":
     main()
