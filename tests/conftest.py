@@ -20,10 +20,10 @@ import torch
 def pytest_configure(config):
     """Under pytest-xdist (``-n N``), each worker and every rank it launches runs one thread.
 
-    Without it, N workers each launch ranks that take ``cores / ranks`` threads (the launcher's share for
-    one launch), and the CUDA ranks and the workers themselves one per core: the cores are oversubscribed
-    N-fold, OpenMP's spinning threads stall each other, and gloo ranks fall behind by more than the
-    collective timeout. A caller's own ``OMP_NUM_THREADS`` stands.
+    Without it, N workers each launch CPU ranks that take ``cores / ranks`` threads (the launcher's share
+    for one launch), while the workers themselves and the CUDA ranks take a thread per core each: the cores
+    are oversubscribed N-fold, OpenMP's spinning threads stall each other, and gloo ranks fall behind by
+    more than the collective timeout. A caller's own ``OMP_NUM_THREADS`` stands.
     """
     if hasattr(config, "workerinput") and "OMP_NUM_THREADS" not in os.environ:   # an xdist worker
         os.environ["OMP_NUM_THREADS"] = "1"   # inherited by the ranks a test launches (fresh interpreters)
