@@ -39,6 +39,8 @@ import sys
 
 import torch
 
+from tutorial_lib.harness.bench import benchmark_device
+
 FLAG = "TORCHINDUCTOR_EMULATE_DIVISION_ROUNDING"
 
 
@@ -123,9 +125,7 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="2**14 elements per tensor; runs on the CPU")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.quick:
-        raise SystemExit("no GPU: the full run needs CUDA; use --quick for a CPU run")
+    device = benchmark_device(args.quick)
     n = 1 << 14 if args.quick else 1 << 26
     if args.child:
         for row in measure(n, device):
