@@ -13,7 +13,11 @@ roundings (``torch/_inductor``: ``config.py`` and ``lowering.py``, read in torch
 * ``a / c`` with ``c`` a constant (a Python number, or ``torch.full_like(a, c)``) becomes ``a * (1 / c)``
   on every device but the CPU, whatever that flag says; for most ``c`` the fp32 reciprocal is inexact.
 
-Eager PyTorch (tensor by tensor) and our kernels divide with round-to-nearest. Per setting, every reference is
+Eager PyTorch (tensor by tensor) and our kernels divide with round-to-nearest. The blockwise references'
+scale is ``amax / torch.full_like(amax, 448)``: its last two rows compute that one division alone, once as
+written and once with the 448s passed in as a tensor, whose values Inductor cannot see. If only the first
+differs with the emulation on, the constant-divisor rewrite is what changes the blockwise scales. Per
+setting, every reference is
 compiled afresh and the elements whose bits differ from eager's are counted, codes (uint8) and scales (fp32:
 scale, scale_inv, amax) apart::
 
@@ -75,6 +79,7 @@ def references(n: int, device: torch.device) -> dict[str, tuple]:
     """name -> (function, args): the references the cast and blockwise benchmarks compile, on their kind of
     input (bf16 with an outlier; 1x128 and 128x128 blocks with scattered large values)."""
     import tutorial_lib.quant.per_tensor as ref
+    from tutorial_lib.quant.block import E4M3_MAX
     from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -83,12 +88,17 @@ def references(n: int, device: torch.device) -> dict[str, tuple]:
     side = 1 << ((n.bit_length() - 1) // 2)          # a square of about n elements (n = 2**14: 128 x 128)
     xb = (torch.randn(side, side, generator=g, device=device) * 0.02).to(torch.bfloat16)
     xb.view(-1)[::4099] *= 300
+    amax = xb.float().abs().view(-1, 128).amax(-1)   # 1x128 blocks: rows of 128 in row-major order
     return {
         "cast_current_scaling": (lambda t: ref.cast_current_scaling(t, "e4m3"), (x,)),
         "cast_current_scaling pow2_scales": (lambda t: ref.cast_current_scaling(t, "e4m3", pow2_scales=True), (x,)),
         "quantize_fp8_blockwise (1, 128)": (lambda t: quantize_fp8_blockwise(t, (1, 128), backend="torch"), (xb,)),
         "quantize_fp8_blockwise (128, 128)": (lambda t: quantize_fp8_blockwise(t, (128, 128), backend="torch"),
                                               (xb,)),
+        # the blockwise scale's one division alone, twice: by a constant (as the reference writes it) and by the
+        # same values passed in as a tensor Inductor cannot see into -- the test of the constant-divisor rewrite
+        "scale_inv = amax / full_like(amax, 448)": (lambda a: a / torch.full_like(a, E4M3_MAX), (amax,)),
+        "scale_inv = amax / divisor (an input)": (lambda a, d: a / d, (amax, torch.full_like(amax, E4M3_MAX))),
     }
 
 
@@ -134,11 +144,15 @@ def main(argv=None) -> None:
     rows = run(args.quick)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}: elements whose bits differ from eager's")
-    print(f"{'reference':36s} {'default division':>40s} {'division rounding emulated':>40s}")
+    print(f"{'reference':40s} {'default division':>40s} {'division rounding emulated':>40s}")
     for ref_name in dict.fromkeys(r.reference for r in rows):
-        cells = [next(f"codes {r.codes[0]:,} of {r.codes[1]:,}, scales {r.scales[0]:,} of {r.scales[1]:,}"
-                      for r in rows if r.reference == ref_name and r.emulated == e) for e in (False, True)]
-        print(f"{ref_name:36s} {cells[0]:>40s} {cells[1]:>40s}")
+        cells = [next(_cell(r) for r in rows if r.reference == ref_name and r.emulated == e) for e in (False, True)]
+        print(f"{ref_name:40s} {cells[0]:>40s} {cells[1]:>40s}")
+
+
+def _cell(r: Row) -> str:
+    codes = f"codes {r.codes[0]:,} of {r.codes[1]:,}, " if r.codes[1] else ""
+    return f"{codes}scales {r.scales[0]:,} of {r.scales[1]:,}"
 
 if __name__ == "__main__":
     main()

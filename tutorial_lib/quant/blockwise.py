@@ -92,7 +92,9 @@ def _use_triton(x: torch.Tensor, backend: str) -> bool:
 def blockwise_scale_inv(amax: torch.Tensor, pow2_scales: bool = False) -> torch.Tensor:
     """Per-block dequantization multiplier from fp32 block amaxes (see module docstring)."""
     # tensor / tensor: one IEEE division on every device (torch's CUDA ``tensor / python_scalar``
-    # multiplies by the fp32 reciprocal instead, 1 ulp off for some amaxes: GPU and CPU scales differ)
+    # multiplies by the fp32 reciprocal instead, 1 ulp off for some amaxes: GPU and CPU scales differ).
+    # torch.compile on a GPU sees the 448s as a constant and multiplies by the reciprocal anyway, so a
+    # compiled copy of this reference has other scales (benchmarks/compile_numerics.py counts them)
     s = amax / torch.full_like(amax, E4M3_MAX)
     if pow2_scales:  # at most 2**119: 448 * scale_inv stays a finite fp32
         s = exp2_int(ceil_log2(s).clamp(-127, _POW2_MAX_EXP))
