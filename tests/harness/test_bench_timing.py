@@ -9,8 +9,10 @@ import json
 import statistics
 import time
 
+import pytest
 import torch
 
+import tutorial_lib.harness.bench as bench
 from tutorial_lib.harness.bench import alternating_case, eager_and_compiled_fns, latency_ms, time_rounds
 from tutorial_lib.harness.bench_report import NOT_COPY_BOUND, results_markdown
 
@@ -46,6 +48,49 @@ def test_alternating_case_records_its_timing():
     kw = dict(nbytes=8 * x.numel(), copy_GBps=1.0, rounds=2, warmup=0, rep=2)
     assert alternating_case("a", lambda: x.add_(1), {"p": lambda: x.add_(1)}, latency=True, **kw)["timing"] == "latency"
     assert alternating_case("a", lambda: x.add_(1), {"p": lambda: x.add_(1)}, **kw)["timing"] == "kernels"
+
+
+class _LoadedMachine:
+    """Fake timers: each variant takes its base time times the load of the round it is timed in (3 variants a
+    round), as on a GPU whose other work grows; every call says which timer took it."""
+
+    def __init__(self, base: dict, loads: list[float]):
+        self.base, self.loads, self.calls = base, loads, []
+
+    def timer(self, kind):
+        def time_one(fn, warmup=3, rep=20, *, device=None):
+            self.calls.append((kind, fn))
+            return self.base[fn] * self.loads[(len(self.calls) - 1) // len(self.base)]
+        return time_one
+
+
+def test_alternating_case_times_the_copy_ceiling_in_its_own_rounds(monkeypatch):
+    copy_fn, moved = bench.device_copy("cpu", 1 << 12)[0], 4 * 10**9   # the fake timers time no bytes: say 4 GB
+    monkeypatch.setattr(bench, "device_copy", lambda device, nbytes=None: (copy_fn, moved))
+    ours, peer = (lambda: None), (lambda: None)
+    loads = [1.0, 2.0, 3.0, 4.0, 5.0]          # the machine gets busier round by round
+    fake = _LoadedMachine({ours: 2.0, peer: 3.0, copy_fn: 0.5}, loads)
+    monkeypatch.setattr(bench, "bench_ms", fake.timer("kernels"))
+    monkeypatch.setattr(bench, "latency_ms", fake.timer("latency"))
+    c = alternating_case("a", ours, {"p": peer}, nbytes=10**9, copy_GBps=None, rounds=5, warmup=0, rep=1,
+                         latency=True, device="cpu")
+    # ours and the peer from an idle device (latency), the copy's bandwidth kernel-timed, every round
+    assert {kind for kind, fn in fake.calls if fn is copy_fn} == {"kernels"}
+    assert {kind for kind, fn in fake.calls if fn is not copy_fn} == {"latency"}
+    assert set(c["rounds_ms"]) == {"ours", "p"} and len(c["copy_rounds_ms"]) == 5
+    # the load cancels: the fraction is the unloaded one, 1 GB in 2 ms against 4 GB in 0.5 ms (a copy timed once
+    # beforehand, at the first round's load, would give 1/16 / 3 instead)
+    assert c["fraction_of_copy"] == pytest.approx((1e9 / 2.0) / (moved / 0.5), rel=1e-3)
+    assert c["copy_GBps"] == pytest.approx(moved / (0.5 * 3.0 * 1e-3) / 1e9, rel=1e-3)   # the median round's load
+
+
+def test_alternating_case_copy_in_rounds_needs_a_device_and_keeps_its_names():
+    x = torch.randn(64)
+    with pytest.raises(ValueError, match="pass the device to copy on"):
+        alternating_case("a", lambda: x.add_(1), {}, nbytes=8, copy_GBps=None, rounds=1)
+    for name in ("ours", bench.COPY_IN_ROUNDS):
+        with pytest.raises(ValueError, match=f"{name!r} is reserved"):
+            alternating_case("a", lambda: x.add_(1), {name: lambda: x.add_(1)}, nbytes=8, copy_GBps=1.0, rounds=1)
 
 
 def _run(path, machine: str, date: str, stem: str, ours_ms: float, fraction: float, timing: str | None = None):

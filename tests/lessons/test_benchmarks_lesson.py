@@ -1,17 +1,19 @@
 """Lesson 12's module (tutorial_lib.lessons.benchmarks): recorded results read back exactly, the FSDP2
 step profile and the collective timing on 2 CPU ranks, the tensor-count sweep's medians and ranges over
-alternating rounds. The amax-reduction rank function is tested in tests/optim/test_amax_reduce.py; the
-live benchmarks run in the lesson itself."""
+alternating rounds, the live cases' copy ceiling timed in their own rounds. The amax-reduction rank function
+is tested in tests/optim/test_amax_reduce.py; the live cases' GPU claims are checked in the lesson itself."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
+import tutorial_lib.harness.bench as bench
 from tutorial_lib.dist.launcher import launch, run_sequence
 from tutorial_lib.harness.notebooks import REPO_ROOT
-from tutorial_lib.lessons.benchmarks import collective_cost, fsdp2_step_profile, recorded_cases
+from tutorial_lib.lessons.benchmarks import collective_cost, fsdp2_step_profile, live_benchmarks, recorded_cases
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 
@@ -28,6 +30,19 @@ def test_recorded_cases_are_every_case_of_every_file():
             assert frac == pytest.approx(r.fraction_of_copy * r.ours_ms / r.peers_ms[name])
         if r.ours_range_ms:
             assert r.ours_range_ms[0] <= r.ours_ms <= r.ours_range_ms[1]
+
+
+def test_live_cases_divide_by_a_copy_timed_in_their_own_rounds(monkeypatch):
+    copies = []
+    real = bench.device_copy
+    monkeypatch.setattr(bench, "device_copy", lambda *a, **k: copies.append(a) or real(*a, **k))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"   # CPU tensors cannot reach compiled Triton kernels
+    live = live_benchmarks(dev, quick=True)
+    assert len(copies) == len(live) == 2   # one copy per case, timed in its rounds
+    assert [c.timing for c in live] == ["latency", "kernels"]
+    for c in live:
+        assert set(c.rounds_ms) == {"ours", *c.peers_ms} and len({len(t) for t in c.rounds_ms.values()}) == 1
+        assert c.copy_GBps > 0 and c.fraction_of_copy >= 0 and c.is_performance_measurement == (dev == "cuda")
 
 
 @pytest.mark.distributed

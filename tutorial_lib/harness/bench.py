@@ -39,7 +39,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
@@ -195,13 +195,15 @@ def time_alternating(opts: dict, steps: int, device: torch.device, extra: dict |
 
 
 def time_rounds(fns: dict[str, Callable[[], object]], rounds: int = 9, *, warmup: int = 3,
-                rep: int = 20, device=None, latency: bool = False) -> dict[str, list[float]]:
+                rep: int = 20, device=None, latency: bool = False,
+                kernel_timed: Collection[str] = ()) -> dict[str, list[float]]:
     """Milliseconds of every function in ``fns``, one :func:`bench_ms` per function per round, the
     functions taking turns in alternating order (:func:`turn_order`; a garbage collection and, in a
     process group, a barrier before each): ``{name: [ms per round]}``, paired round by round.
     Each function is called once first (compilation, caches) outside the timing. ``warmup`` and
     ``rep``, ``device``: :func:`bench_ms`'s (CPU repetitions; CUDA uses ``do_bench``). ``latency=True``:
-    :func:`latency_ms` instead (host work counted in full: for host-bound functions)."""
+    :func:`latency_ms` instead (host work counted in full: for host-bound functions), but for the names in
+    ``kernel_timed`` (a device copy whose bandwidth, not its launch, is wanted)."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -209,7 +211,7 @@ def time_rounds(fns: dict[str, Callable[[], object]], rounds: int = 9, *, warmup
         for name in turn_order(fns, r):
             gc.collect()
             barrier_if_distributed()
-            timer = latency_ms if latency else bench_ms
+            timer = latency_ms if latency and name not in kernel_timed else bench_ms
             times[name].append(timer(fns[name], warmup=warmup, rep=rep, device=device))
     return times
 
@@ -268,20 +270,44 @@ def spread(times: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(times), 5), "min": round(min(times), 5), "max": round(max(times), 5)}
 
 
+COPY_IN_ROUNDS = "device copy"
+"""The variant :func:`alternating_case` adds when it times the copy ceiling in the case's own rounds."""
+
+
 def alternating_case(name: str, ours: Callable[[], object], peers: dict[str, Callable[[], object]], *,
-                     nbytes: int, copy_GBps: float, rounds: int = 9, warmup: int = 3, rep: int = 20,
-                     latency: bool = False) -> dict:
+                     nbytes: int, copy_GBps: float | None, rounds: int = 9, warmup: int = 3, rep: int = 20,
+                     latency: bool = False, device=None) -> dict:
     """A :func:`case` whose ours and peers were timed in the same alternating rounds
     (:func:`time_rounds`): medians as ``ours_ms`` / ``peers``, plus ``ours_range_ms`` and
     ``peers_range_ms`` ([min, max] over the rounds), ``rounds_ms`` (every round) and
     ``best_peer_over_ours`` (median, min, max of the round-by-round ratio best peer / ours).
     ``warmup``, ``rep``: repetitions per timing on the CPU, and on CUDA with ``latency=True`` (``do_bench``
     picks its own; see :func:`time_rounds`). ``latency=True``: every timing is a :func:`latency_ms` (host
-    work in full), recorded as ``"timing": "latency"`` (else ``"kernels"``: :func:`bench_ms`)."""
-    if "ours" in peers:
-        raise ValueError("'ours' is reserved for our own timing; rename the peer")
-    times = time_rounds({"ours": ours, **peers}, rounds, warmup=warmup, rep=rep, latency=latency)
-    return case_from_rounds(name, times, nbytes=nbytes, copy_GBps=copy_GBps, timing="latency" if latency else "kernels")
+    work in full), recorded as ``"timing": "latency"`` (else ``"kernels"``: :func:`bench_ms`).
+
+    ``device``: where the variants run, passed to :func:`time_rounds` (default: CUDA whenever present).
+    ``copy_GBps=None``: the copy ceiling is timed in the same rounds, a device copy on ``device`` taking its
+    turn beside ours and the peers (always kernel-timed) -- so that a GPU shared with other work slows the
+    ceiling and the case alike, where one copy timed beforehand may have met a busier or quieter moment.
+    The case then records ``copy_GBps`` (from the copy's median round) and ``copy_rounds_ms``."""
+    for reserved in ("ours", COPY_IN_ROUNDS):
+        if reserved in peers:
+            raise ValueError(f"{reserved!r} is reserved for a variant alternating_case times; rename the peer")
+    fns = {"ours": ours, **peers}
+    if copy_GBps is None:
+        if device is None:
+            raise ValueError("copy_GBps=None times the copy in the same rounds: pass the device to copy on")
+        fns[COPY_IN_ROUNDS], copy_bytes = device_copy(device)
+    times = time_rounds(fns, rounds, warmup=warmup, rep=rep, device=device, latency=latency,
+                        kernel_timed={COPY_IN_ROUNDS})
+    copy_ms = times.pop(COPY_IN_ROUNDS, None)
+    if copy_ms is not None:
+        copy_GBps = copy_bytes / (statistics.median(copy_ms) * 1e-3) / 1e9
+    c = case_from_rounds(name, times, nbytes=nbytes, copy_GBps=copy_GBps, timing="latency" if latency else "kernels")
+    if copy_ms is not None:
+        c["copy_GBps"] = round(copy_GBps, 2)
+        c["copy_rounds_ms"] = [round(x, 5) for x in copy_ms]
+    return c
 
 
 def case_from_rounds(name: str, times: dict[str, list[float]], *, nbytes: int, copy_GBps: float,
@@ -383,15 +409,21 @@ def eager_and_compiled_fns(
     return peers
 
 
-def copy_bandwidth_GBps(device: torch.device | str, nbytes: int | None = None) -> float:
-    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+def device_copy(device: torch.device | str, nbytes: int | None = None) -> tuple[Callable[[], object], int]:
+    """``(fn, bytes moved)``: ``fn`` copies one fp32 buffer of ``nbytes`` (default 2 GiB on CUDA, 64 MiB on a
+    CPU) into another on ``device``; it moves twice that, bytes read plus bytes written."""
     device = torch.device(device)
     if nbytes is None:
         nbytes = (1 << 31) if device.type == "cuda" else (1 << 26)
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+    return (lambda: dst.copy_(src)), 2 * src.numel() * 4
+
+
+def copy_bandwidth_GBps(device: torch.device | str, nbytes: int | None = None) -> float:
+    """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
+    fn, moved = device_copy(device, nbytes)
+    return moved / (bench_ms(fn) * 1e-3) / 1e9
 
 
 def case(name: str, ours_ms: float, *, peers: dict[str, float], nbytes: int, copy_GBps: float,
