@@ -149,10 +149,7 @@ def live_benchmarks(device: str | torch.device, quick: bool, rounds: int = 5) ->
     cuda = device.type == "cuda"
     n_tensors, numel = (2000, 49_000) if cuda and not quick else (200, 4096) if cuda else (6, 256)
     rows, cols = (8192, 4096) if cuda and not quick else (256, 1024) if cuda else (8, 256)
-    reps = dict(rounds=rounds) if cuda else dict(rounds=2, warmup=0, rep=1)
-    # the copy ceiling takes its turn in each case's rounds (copy_GBps=None): a GPU shared with other work
-    # slows ceiling and case alike, where one copy timed beforehand may have met another moment
-    reps["device"] = device
+    reps = dict(rounds=rounds, device=device) if cuda else dict(rounds=2, warmup=0, rep=1, device=device)
     sizes = [numel] * n_tensors
     ours = FusedAdam(_params(sizes, device), **HP, capturable=True)
     ours.step()
@@ -170,7 +167,9 @@ def live_benchmarks(device: str | torch.device, quick: bool, rounds: int = 5) ->
     else:
         peers["torch AdamW fused"] = torch.optim.AdamW(_params(sizes, device), **HP, fused=True).step
     label = "CUDA graph replay" if cuda else "eager, capturable (no CUDA graph on a CPU)"
-    # the eager peer is host-bound: latency timing (from an idle GPU) counts its host work in full
+    # the eager peer is host-bound: latency timing (from an idle GPU) counts its host work in full.
+    # copy_GBps=None: the copy ceiling takes its turn in each case's rounds, so a GPU shared with other work
+    # slows ceiling and case alike, where one copy timed beforehand may have met another moment
     cases = [_live(alternating_case(f"FusedAdam, {n_tensors} tensors of {numel}, {label}", ours.step, peers,
                                     nbytes=adam_bytes_per_element(4, 4) * n_tensors * numel, copy_GBps=None,
                                     latency=True, **reps),
