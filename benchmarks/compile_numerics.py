@@ -79,7 +79,7 @@ def references(n: int, device: torch.device) -> dict[str, tuple]:
     """name -> (function, args): the references the cast and blockwise benchmarks compile, on their kind of
     input (bf16 with an outlier; 1x128 and 128x128 blocks with scattered large values)."""
     import tutorial_lib.quant.per_tensor as ref
-    from tutorial_lib.quant.block import E4M3_MAX
+    from tutorial_lib.quant.block import E4M3_MAX, block_amax
     from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -88,7 +88,7 @@ def references(n: int, device: torch.device) -> dict[str, tuple]:
     side = 1 << ((n.bit_length() - 1) // 2)          # a square of about n elements (n = 2**14: 128 x 128)
     xb = (torch.randn(side, side, generator=g, device=device) * 0.02).to(torch.bfloat16)
     xb.view(-1)[::4099] *= 300
-    amax = xb.float().abs().view(-1, 128).amax(-1)   # 1x128 blocks: rows of 128 in row-major order
+    amax = block_amax(xb, (1, 128))                  # the 1x128 blocks' amaxes, as the reference computes them
     return {
         "cast_current_scaling": (lambda t: ref.cast_current_scaling(t, "e4m3"), (x,)),
         "cast_current_scaling pow2_scales": (lambda t: ref.cast_current_scaling(t, "e4m3", pow2_scales=True), (x,)),

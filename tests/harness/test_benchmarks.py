@@ -163,7 +163,7 @@ def test_compile_numerics_counts_each_reference_under_both_division_settings(mon
     spec.loader.exec_module(script)
     rows = script.run(quick=True)
     assert sorted((r.reference, r.emulated) for r in rows) == sorted(
-        (name, e) for name in script.references(4096, torch.device("cpu")) for e in (False, True))
+        (name, e) for name in script.references(1 << 14, torch.device("cpu")) for e in (False, True))
     scale_only = {r.reference for r in rows if r.reference.startswith("scale_inv = ")}
     assert len(scale_only) == 2, scale_only
     assert all(r.codes[1] == (0 if r.reference in scale_only else 1 << 14) and r.scales[1] >= 1 for r in rows), rows
