@@ -95,7 +95,8 @@ def main(argv=None) -> None:
              f"ms {c['fused_back_to_back_ms']}, host ms {c['fused_host_ms_per_step']}"
              if "fused_back_to_back_ms" in c else "")
           + f"; new grads every step, host ms {c.get('fused_new_grads_host_ms')}")
-    path = write_results(out, "adam_fsdp2", [c], copy, extra={"quick": args.quick, "world_size": 2})
+    path = write_results(out, "adam_fsdp2", [c], copy, extra={"quick": args.quick, "world_size": 2},
+                         gpus=2 if device == "cuda" else 0)
     print(f"wrote {path}")
 
 

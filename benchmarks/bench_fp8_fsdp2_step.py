@@ -120,7 +120,8 @@ def main(argv=None) -> None:
                                                    "phases_ms": {p: getattr(v.phases, p) for p in PHASES},
                                                    "peak_memory_bytes": v.peak_memory_bytes}
                               for v in r.variants if v.name in PEER_NAMES}}
-    path = write_results(out, "fp8_fsdp2_step", cases, copy, extra=extra)
+    path = write_results(out, "fp8_fsdp2_step", cases, copy, extra=extra,
+                         gpus=r.world_size if device == "cuda" else 0)
     src = bf16.phases.time_source
     print(f"\n{size}; step = fwd + bwd + optimizer; phases: {'device' if src == 'cuda' else 'HOST'} ms per step"
           + ("" if src == "cuda" else " (CPU smoke run: emulated FP8 GEMMs, Triton interpreter; not GPU numbers)"))

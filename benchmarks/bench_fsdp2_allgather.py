@@ -99,7 +99,7 @@ def main(argv=None) -> None:
               f"({c['ours_ms'] / c['peers']['bf16']:.2f}x)")
     print(f"bytes per step: fp8 {fp8_bytes:,} vs bf16 {bf16_bytes:,} ({fp8_bytes / bf16_bytes:.3f}x)")
     print("goals: " + ", ".join(f"{k}={v}" for k, v in goals.items()))
-    path = write_results(out, "fsdp2_allgather", cases, copy, extra=extra)
+    path = write_results(out, "fsdp2_allgather", cases, copy, extra=extra, gpus=2 if device == "cuda" else 0)
     print(f"wrote {path}")
 
 

@@ -100,7 +100,8 @@ def main(argv=None) -> None:
                          extra={"world_size": ws, "size": size, "steps": steps, "failed": failed,
                                 # the ranks keep this process's environment (deterministic=False): record the
                                 # cuBLAS setting that costs host time per GEMM, so that runs can be told apart
-                                "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")})
+                                "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")},
+                         gpus=ws if device == "cuda" else 0)
     print("results:", path)
 
 

@@ -370,7 +370,8 @@ def fused_adamw_(
 ) -> AdamTables:
     """One AdamW step over many tensors with a single launch (tables built on the fly).
 
-    ``steps`` are the step counts AFTER this update (1 on the first step), one per tensor. FP8
+    ``steps`` are the step counts AFTER this update (1 on the first step), one per tensor. A grad of ``None``:
+    that tensor is skipped (address 0 in the table: its weight, moments and outputs stay as they are). FP8
     output needs ``scales`` (fp32 [T]), ``scale_invs`` (written) and ``fp8_format``. Returns the
     tables (``.amax`` holds the FP8 amaxes). The optimizer keeps its tables between steps
     instead; this functional form is for tests and the lesson.
@@ -379,10 +380,14 @@ def fused_adamw_(
         raise ValueError("need one grad and one step count per tensor")
     if any(s < 1 for s in steps):
         raise ValueError(f"steps are the counts after this update (>= 1), got {list(steps)}")
-    tables = build_tables(weights, exp_avgs, exp_avg_sqs, grad_dtype=grads[0].dtype if grads else torch.float32,
+    present = [g for g in grads if g is not None]
+    tables = build_tables(weights, exp_avgs, exp_avg_sqs, grad_dtype=present[0].dtype if present else torch.float32,
                           outs=outs, out_kind=out_kind, scale_invs=scale_invs, fp8_format=fp8_format, block=block)
     addresses = []
     for i, g in enumerate(grads):
+        if g is None:  # no gradient: skipped, as torch.optim skips a parameter whose .grad is None
+            addresses.append(0)
+            continue
         if g.dtype != tables.g_dtype or g.numel() != tables.numels[i] or g.device != weights[i].device:
             raise ValueError(f"grad {i}: expected {tables.numels[i]} elements of {tables.g_dtype} on "
                              f"{weights[i].device}, got {g.numel()} of {g.dtype} on {g.device}")

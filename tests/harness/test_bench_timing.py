@@ -145,3 +145,44 @@ def test_compiled_peers_record_whether_they_match_eager_per_call_options(monkeyp
     eager_and_compiled_fns(scaled, x, equal=torch.equal, record=record)  # no options: the name alone
     eager_and_compiled_fns(scaled, x, equal=torch.equal, record=record, key="named", pow2=True)
     assert record == {"scaled {'pow2': True}": True, "scaled {'pow2': False}": False, "scaled": False, "named": True}
+
+
+def test_machine_name_counts_the_gpus_a_run_uses_not_those_visible(monkeypatch):
+    """A one-GPU benchmark on a two-GPU machine is an ``x1`` run (its file pools with other one-GPU runs);
+    a run on CPU ranks (``gpus=0``) is a CPU run wherever it ran; more GPUs than visible is refused."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Fake GPU")
+    assert bench.machine_name() == "Fake GPU x1"
+    assert bench.machine_name(2) == "Fake GPU x2"
+    assert bench.machine_name(0).startswith("CPU x")
+    with pytest.raises(ValueError, match="gpus=3: this machine has 2 visible GPU"):
+        bench.machine_name(3)
+
+
+def test_copy_bandwidth_times_the_copy_on_the_device_it_was_asked_for(monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench, "bench_ms", lambda fn, **kw: seen.append(kw.get("device")) or 1.0)
+    assert bench.copy_bandwidth_GBps("cpu", 1 << 12) == pytest.approx(2 * (1 << 12) / 1e-3 / 1e9)
+    assert seen == ["cpu"]  # not "whatever device CUDA's presence implies"
+
+
+def test_time_alternating_alternates_the_order_on_the_cpu_too():
+    order = []
+
+    class Opt:
+        def __init__(self, name):
+            self.name = name
+
+        def step(self):
+            order.append(self.name)
+
+    bench.time_alternating({"a": Opt("a"), "b": Opt("b")}, steps=4, device=torch.device("cpu"))
+    assert order[2:] == ["a", "b", "b", "a", "a", "b", "b", "a"]  # after one untimed step each
+
+
+def test_paired_ratios_refuse_rounds_that_do_not_pair():
+    with pytest.raises(ValueError):
+        bench.paired_ratio([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError):
+        bench.case_from_rounds("c", {"ours": [1.0, 2.0], "peer": [1.0]}, nbytes=1, copy_GBps=1.0)

@@ -125,6 +125,25 @@ def test_multi_tensor_fp32_matches_reference_over_12_steps():
         _close_state(v, rv)
 
 
+def test_multi_tensor_skips_a_tensor_whose_grad_is_none():
+    """``grads[i] is None``: tensor i keeps its weight and moments bit for bit (as torch.optim skips a parameter
+    without .grad); the others take their step as usual."""
+    shapes = [(7,), (130,), (64,)]
+    params, ms, vs = _state(shapes, 5)
+    for m, v, i in zip(ms, vs, range(3)):  # nonzero moments: "kept" must not mean "zero"
+        m.copy_(_rand(m.shape, 60 + i)), v.copy_(_rand(v.shape, 70 + i).abs())
+    before = [(p.clone(), m.clone(), v.clone()) for p, m, v in zip(params, ms, vs)]
+    grads = [_rand(s, 80 + i) for i, s in enumerate(shapes)]
+    k.fused_adamw_(params, [grads[0], None, grads[2]], ms, vs, [3, 3, 3], block=BLOCK, **HP)
+    assert all(torch.equal(a, b) for a, b in zip((params[1], ms[1], vs[1]), before[1]))
+    for i in (0, 2):
+        rp, rm, rv = before[i]
+        adamw_reference_step_(rp, grads[i], rm, rv, 3, **HP)
+        _close(params[i], rp)
+        _close_state(ms[i], rm)
+        _close_state(vs[i], rv)
+
+
 def _adamw_eps_before_correction_(p, g, m, v, step, lr, betas, eps, weight_decay):
     """A plausible bug: eps added to sqrt(v) BEFORE the bias correction, ``(sqrt(v) + eps) / bc2_sqrt``."""
     b1, b2 = betas

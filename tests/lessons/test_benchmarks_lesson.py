@@ -32,6 +32,19 @@ def test_recorded_cases_are_every_case_of_every_file():
             assert r.ours_range_ms[0] <= r.ours_ms <= r.ours_range_ms[1]
 
 
+def test_recorded_cases_keep_each_cases_timing_and_its_own_copy_ceiling(tmp_path):
+    """A case that timed its copy in its own rounds divides by that copy, not the run's; a case without a recorded
+    timing says so rather than guessing one."""
+    doc = {"machine": "Fake GPU x1", "date": "2026-12-06T00:00:00+00:00", "copy_GBps": 1000.0, "cases": [
+        {"name": "own copy", "ours_ms": 1.0, "peers": {}, "bytes": 10**9, "fraction_of_copy": 0.5,
+         "timing": "latency", "copy_GBps": 2000.0},
+        {"name": "old", "ours_ms": 1.0, "peers": {}, "bytes": 10**9, "fraction_of_copy": 1.0}]}
+    (tmp_path / "demo-Fake_GPU_x1-20261206T000000.json").write_text(json.dumps(doc))
+    own, old = recorded_cases(tmp_path)
+    assert (own.copy_GBps, own.timing) == (2000.0, "latency")
+    assert (old.copy_GBps, old.timing) == (1000.0, "unrecorded")
+
+
 def test_live_cases_divide_by_a_copy_timed_in_their_own_rounds(monkeypatch):
     copies = []
     real = bench.device_copy

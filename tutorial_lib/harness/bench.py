@@ -71,22 +71,25 @@ def latency_ms(fn: Callable[[], object], warmup: int = 3, rep: int = 20, *, devi
     CUDA, per call: an L2 flush (zeroing a 256 MiB buffer), ``synchronize``, then CUDA events around ``fn()``;
     the start event runs at once on the idle GPU, so everything the host does before the first launch (and
     between launches) is inside the window -- the step LATENCY a host-bound optimizer step has. ``warmup``
-    untimed calls first. CPU: the wall clock, as :func:`bench_ms`."""
+    untimed calls first. ``device``: the GPU ``fn`` runs on (default: the current one); the flush, the
+    synchronisation and the events are that GPU's (its current stream). CPU: the wall clock, as :func:`bench_ms`."""
     if not _on_cuda(device):
         return _host_median_ms(fn, warmup, rep)
-    for _ in range(warmup):
-        fn()
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(rep):
-        flush.zero_()
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    with torch.cuda.device(dev):  # events record on the current stream of the CURRENT device: make it dev
+        for _ in range(warmup):
+            fn()
+        flush = torch.empty(256 << 20, dtype=torch.int8, device=dev)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(rep):
+            flush.zero_()
+            torch.cuda.synchronize(dev)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
@@ -168,7 +171,7 @@ def time_alternating(opts: dict, steps: int, device: torch.device, extra: dict |
     ``extra`` (a dict) also receives, per name, ``back_to_back_ms`` (GPU time per step over 50 steps
     issued back to back, as a training loop does: max(host, GPU) per step) and ``host_ms`` (the
     host's wall time to issue one step), one value per round. CPU: wall clock, the optimizers
-    interleaved step by step (a "round" is one step)."""
+    interleaved step by step in alternating order (a "round" is one step; ``steps`` rounds, ``extra`` unused)."""
     for opt in opts.values():
         opt.step()  # build tables / state outside the timing
     ms = {name: [] for name in opts}
@@ -186,10 +189,10 @@ def time_alternating(opts: dict, steps: int, device: torch.device, extra: dict |
             for name, runs in b2b.items():
                 extra[name] = {k: [x[k] for x in runs] for k in ("back_to_back_ms", "host_ms")}
         return ms
-    for _ in range(steps):
-        for name, opt in opts.items():
+    for r in range(steps):
+        for name in turn_order(opts, r):  # alternating order here too: neither optimizer always first
             t = time.perf_counter()
-            opt.step()
+            opts[name].step()
             ms[name].append((time.perf_counter() - t) * 1e3)
     return ms
 
@@ -322,7 +325,7 @@ def case_from_rounds(name: str, times: dict[str, list[float]], *, nbytes: int, c
     c["rounds_ms"] = {k: [round(x, 5) for x in v] for k, v in times.items()}
     if peer_names:
         best = min(peer_names, key=med.get)
-        ratios = [p / o for p, o in zip(times[best], times[ours])]
+        ratios = [p / o for p, o in zip(times[best], times[ours], strict=True)]
         c["best_peer_over_ours"] = {"peer": best, **{k: round(v, 4) for k, v in spread(ratios).items()}}
     return c
 
@@ -330,7 +333,7 @@ def case_from_rounds(name: str, times: dict[str, list[float]], *, nbytes: int, c
 def paired_ratio(num: list[float], den: list[float]) -> float:
     """Median of the round-by-round ratios ``num[i] / den[i]``: robust to drift that a ratio of two
     medians (taken over different moments) is not."""
-    return statistics.median(a / b for a, b in zip(num, den))
+    return statistics.median(a / b for a, b in zip(num, den, strict=True))
 
 
 def turn_order(names, r: int) -> list:
@@ -423,7 +426,7 @@ def device_copy(device: torch.device | str, nbytes: int | None = None) -> tuple[
 def copy_bandwidth_GBps(device: torch.device | str, nbytes: int | None = None) -> float:
     """Device-to-device copy bandwidth in GB/s, counting bytes read plus bytes written."""
     fn, moved = device_copy(device, nbytes)
-    return moved / (bench_ms(fn) * 1e-3) / 1e9
+    return moved / (bench_ms(fn, device=device) * 1e-3) / 1e9
 
 
 def case(name: str, ours_ms: float, *, peers: dict[str, float], nbytes: int, copy_GBps: float,
@@ -441,22 +444,27 @@ def case(name: str, ours_ms: float, *, peers: dict[str, float], nbytes: int, cop
     }
 
 
-def machine_name() -> str:
-    """``"<GPU name> x<count>"`` on CUDA, ``"CPU x<cores>"`` otherwise."""
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}"
+def machine_name(gpus: int = 1) -> str:
+    """``"<GPU name> x<gpus>"`` for a run on ``gpus`` GPUs (those it USES, not those visible: a one-GPU
+    benchmark on a two-GPU machine is an ``x1`` run), ``"CPU x<cores>"`` for a run on CPU ranks (``gpus=0``)
+    or on a machine without CUDA."""
+    if gpus and torch.cuda.is_available():
+        if not 1 <= gpus <= torch.cuda.device_count():
+            raise ValueError(f"gpus={gpus}: this machine has {torch.cuda.device_count()} visible GPU(s)")
+        return f"{torch.cuda.get_device_name(0)} x{gpus}"
     return f"CPU x{os.cpu_count()}"
 
 
 def write_results(
-    out_dir: str | Path, stem: str, cases: list[dict], copy_GBps: float, extra: dict | None = None
+    out_dir: str | Path, stem: str, cases: list[dict], copy_GBps: float, extra: dict | None = None, *, gpus: int = 1
 ) -> Path:
-    """Write one run's JSON into ``out_dir`` as ``<stem>-<machine>-<date>.json``; return its path."""
+    """Write one run's JSON into ``out_dir`` as ``<stem>-<machine>-<date>.json``; return its path.
+    ``gpus``: how many GPUs the run used, 0 for CPU ranks (its ``machine``: :func:`machine_name`)."""
     import triton
 
     now = datetime.datetime.now(datetime.UTC)
     doc = {
-        "machine": machine_name(),
+        "machine": machine_name(gpus),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": now.isoformat(timespec="seconds"),

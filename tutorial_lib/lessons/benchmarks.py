@@ -80,10 +80,11 @@ class RecordedCase:
     peer_fractions: dict[str, float]  # the same for each peer (the same minimum bytes)
     tflops: float | None  # GEMMs: our throughput (compute-bound, so TFLOPS is the measure)
     peers_tflops: dict[str, float]  # GEMMs: the peers' throughput
-    copy_GBps: float  # the run's copy ceiling
+    copy_GBps: float  # the case's copy ceiling: its own where it timed one in its rounds, else the run's
     bytes: int  # the minimum bytes the operation moves (the numerator of fraction_of_copy)
     mnk: tuple[int, int, int] | None  # GEMMs that record their shape: (M, N, K)
     kind: str = "device"  # "host": host time per call (benchmarks/bench_host_overhead.py), no bytes or FLOPs
+    timing: str = "unrecorded"  # "kernels" (do_bench), "latency" (host work in full), "back_to_back", "host"
 
 
 def recorded_cases(results_dir: str | Path) -> list[RecordedCase]:
@@ -101,9 +102,10 @@ def recorded_cases(results_dir: str | Path) -> list[RecordedCase]:
                 benchmark=path.name.split("-", 1)[0], name=c["name"], machine=doc["machine"], date=doc["date"],
                 ours_ms=float(c["ours_ms"]), ours_range_ms=tuple(rng) if rng else None, peers_ms=peers,
                 fraction_of_copy=float(frac), peer_fractions={k: frac * c["ours_ms"] / v for k, v in peers.items()},
-                tflops=c.get("tflops"), peers_tflops=dict(c.get("peers_tflops") or {}), copy_GBps=doc["copy_GBps"],
+                tflops=c.get("tflops"), peers_tflops=dict(c.get("peers_tflops") or {}),
+                copy_GBps=c.get("copy_GBps", doc["copy_GBps"]),  # a case that timed its own copy: that one
                 bytes=int(c["bytes"]), mnk=(c["M"], c["N"], c["K"]) if all(k in c for k in "MNK") else None,
-                kind=c.get("kind", "device")))
+                kind=c.get("kind", "device"), timing=c.get("timing", "unrecorded")))
     return sorted(rows, key=lambda r: r.date)
 
 

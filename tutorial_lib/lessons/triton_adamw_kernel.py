@@ -1,16 +1,16 @@
 """Lesson 07 (a Triton AdamW kernel): how the cost of a step grows with the number of tensors.
 
-The same number of fp32 parameters is split into more and more tensors; for every split, FusedAdam
-(one pointer-table launch for all tensors), ``torch.optim.AdamW(fused=True)`` and
-``torch.optim.AdamW(foreach=True)`` first take one step from identical state (their results are
-compared), then take turns in alternating rounds (:func:`tutorial_lib.harness.bench.time_rounds`):
-each round times every implementation once, the order rotating, so a drifting host or GPU clock
-affects all of them alike. Each time is ``bench_ms`` (``do_bench``: host work that overlaps the L2 flush before
-each call is not counted, as in a loop whose host runs ahead of the GPU), or with ``latency=True`` a step from an
-idle GPU (``latency_ms``: the host's work counted in full, the worst case of a host-bound step).
-A step moves at least 28 bytes per parameter (read weight, grad and the two
-moments, write weight and moments); that divided by the median step time is the bandwidth plotted
-against a device-to-device copy measured in the same run.
+The same number of fp32 parameters is split into more and more tensors; for every split, FusedAdam (one
+pointer-table launch for all tensors), ``torch.optim.AdamW(fused=True)`` and ``torch.optim.AdamW(foreach=True)``
+first take :data:`CHECK_STEPS` steps from identical state (their results are compared within a bound derived from
+fp32 rounding: :data:`AGREEMENT_BOUND`), then take turns in alternating rounds
+(:func:`tutorial_lib.harness.bench.time_rounds`): each round times every implementation once, the order rotating,
+so a drifting host or GPU clock affects all of them alike. Each time is ``bench_ms`` (``do_bench``: host work that
+overlaps the L2 flush before each call is not counted, as in a loop whose host runs ahead of the GPU), or with
+``latency=True`` a step from an idle GPU (``latency_ms``: the host's work counted in full, the worst case of a
+host-bound step). A step moves at least 28 bytes per parameter (read weight, grad and the two moments, write
+weight and moments); that divided by the median step time is the bandwidth plotted against a device-to-device copy
+measured in the same run.
 
     sweep = tensor_count_sweep(2**26, [1, 8, 64, 512, 2048], torch.device("cuda"))
     for p in sweep.points:
@@ -33,6 +33,18 @@ from tutorial_lib.optim.fused_adam import FusedAdam
 
 BYTES_PER_PARAM = 28  # fp32: read p, g, m, v (16 B) + write p, m, v (12 B)
 HP = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+CHECK_STEPS = 3
+"""Untimed steps every implementation takes from identical state before the timing, each with a fresh gradient
+(the same for every implementation), then compared. Several, each with its own gradient: at step 1 Adam's update
+is ``lr * g / (|g| + eps)`` whatever the betas, the bias corrections or the step count, and so is every step of a
+gradient that never changes (the bias-corrected moments of a constant are that constant and its square), so
+neither could tell a kernel that gets those wrong from a right one."""
+AGREEMENT_BOUND = (2 * CHECK_STEPS + 1) * 2.0**-23
+"""The largest ``max|p - p_ref| / max|p_ref|`` two correct implementations can reach after :data:`CHECK_STEPS`
+steps: each step writes ``p`` through at most two fp32 roundings (the decay, then the update), each within half
+an ulp, and an ulp of ``p`` is at most ``2**-23 max|p|``, so two implementations drift apart by at most 2 ulps
+per step; the extra ulp covers the update's own rounding differences (the update, about ``lr``, is thousands of
+times smaller than ``p``, and so are its roundings)."""
 IMPLEMENTATIONS = {
     "FusedAdam": lambda ps: FusedAdam(ps, **HP),
     "torch AdamW fused": lambda ps: torch.optim.AdamW(ps, fused=True, **HP),
@@ -61,9 +73,15 @@ class TensorCountSweep:
     copy_GBps: float  # device-to-device copy bandwidth in the same run (bytes read + written)
     implementations: list[str]  # the names timed, in plotting order
     points: list[SweepPoint]  # one per split
-    max_rel_diff: float  # largest max|p - p_ref| / max|p_ref| after the first step, any split (ref: the first)
+    max_rel_diff: float  # largest max|p - p_ref| / max|p_ref| after CHECK_STEPS steps, any split (ref: the first)
+    agreement_bound: float  # the most max_rel_diff correct implementations can reach (AGREEMENT_BOUND)
     latency: bool  # True: each step timed from an idle device, host work in full; False: do_bench
     label: str  # one line for a plot title (machine, torch, sizes; says INTERPRETER on a CPU)
+
+
+def _grads(n_tensors: int, numel_each: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(numel_each, generator=g) for _ in range(n_tensors)]
 
 
 def _params(n_tensors: int, numel_each: int, device: torch.device, seed: int) -> list[torch.nn.Parameter]:
@@ -98,8 +116,12 @@ def tensor_count_sweep(total_params: int, counts: list[int], device: torch.devic
         for name in names:
             params[name] = _params(n, numel, device, seed=n)  # identical state for every implementation
             opts[name] = IMPLEMENTATIONS[name](params[name])
-        for name in names:
-            opts[name].step()
+        for k in range(CHECK_STEPS):
+            grads = _grads(n, numel, seed=(n << 8) + k)  # this step's gradient, the same for everyone
+            for name in names:
+                for p, g in zip(params[name], grads):
+                    p.grad.copy_(g)  # in place: FusedAdam's tables keep the gradients' addresses
+                opts[name].step()
         ref = params[names[0]]
         for name in names[1:]:
             for a, b in zip(params[name], ref):
@@ -120,4 +142,5 @@ def tensor_count_sweep(total_params: int, counts: list[int], device: torch.devic
              + (", steps from an idle device" if latency else "")
              + (" -- Triton INTERPRETER: not a performance measurement" if interp else ""))
     return TensorCountSweep(device=str(device), interpreted=interp, copy_GBps=copy, implementations=names,
-                            points=points, max_rel_diff=worst, latency=latency, label=label)
+                            points=points, max_rel_diff=worst, agreement_bound=AGREEMENT_BOUND, latency=latency,
+                            label=label)
