@@ -6,7 +6,9 @@ what it says; the notebook uses public library names only and its exercises come
 small 2-rank CPU launch (``train_compare_fp8``, hybrid, tiny) checks what the notebook asserts at world size
 2: bit-exact against the single-process twin, no dequantize of an FP8 weight, ``steps x 2 blocks x 2
 linears x 3 GEMMs`` FP8 GEMMs. (Both recipes and ``step_breakdown`` run in
-``tests/matmul/test_fp8_linear.py``.)
+``tests/matmul/test_fp8_linear.py``.) Another small launch runs section 6's sequence -- ``train_compare_fp8``,
+then the timed ``step_breakdown`` and ``fsdp2_step_benchmark`` in the same processes -- and checks that the
+timed steps run without the deterministic algorithms ``train_compare_fp8`` switches on (on CUDA ranks).
 """
 
 import dataclasses
@@ -19,8 +21,9 @@ import nbformat
 import pytest
 import torch
 
-from tutorial_lib.dist.launcher import launch
+from tutorial_lib.dist.launcher import launch, run_sequence
 from tutorial_lib.lessons import fp8_matmuls as lesson
+from tutorial_lib.lessons import fp8_step_benchmark
 from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer
 from tutorial_lib.quant.float8 import CurrentScaling
 
@@ -167,3 +170,52 @@ def test_train_compare_fp8_is_bit_exact_at_two_ranks_on_cpu():
         assert [(g.scaling, g.backend, g.calls) for g in r.gemms] == [("tensorwise", "emulated", 2 * 2 * 2 * 3)]
         assert r.losses != r.dequant_losses
     assert results[0].losses == results[1].losses  # the global loss, all-reduced
+
+
+def _deterministic_flag_in_timed_steps(calls: list) -> dict:
+    """Rank function: ``run_sequence(calls)`` with torch's deterministic-algorithms flag recorded inside
+    ``train_compare_fp8`` and inside every step that ``step_breakdown`` and ``fsdp2_step_benchmark`` time or
+    profile. On CUDA ranks ``world_mesh(deterministic=True)`` switches the flag on (``deterministic_cuda``);
+    these are CPU ranks, where it does not, so ``train_compare_fp8``'s mesh call does it here too."""
+    seen = {"train_compare_fp8": [], "step_breakdown": [], "fsdp2_step_benchmark": []}
+    flag = torch.are_deterministic_algorithms_enabled
+    world_mesh, count_dequantizes = lesson.world_mesh, lesson.count_dequantizes
+
+    def cuda_like_mesh(*, deterministic=False):
+        mesh = world_mesh(deterministic=deterministic)
+        if deterministic:
+            torch.use_deterministic_algorithms(True)  # what deterministic_cuda() does on a CUDA rank
+        return mesh
+
+    def probed(timer, name):
+        def timed(step, dev, reps, *args, **kwargs):
+            def step_probed():
+                seen[name].append(flag())
+                step()
+            return timer(step_probed, dev, reps, *args, **kwargs)
+        return timed
+
+    lesson.world_mesh = cuda_like_mesh
+    lesson.count_dequantizes = lambda: (seen["train_compare_fp8"].append(flag()), count_dequantizes())[1]  # per step
+    for module, name in ((lesson, "step_breakdown"), (fp8_step_benchmark, "fsdp2_step_benchmark")):
+        module.median_ms_all_ranks = probed(module.median_ms_all_ranks, name)
+        module.profiled_range_ms = probed(module.profiled_range_ms, name)
+    run_sequence(calls)
+    return {**seen, "after": flag()}
+
+
+@pytest.mark.distributed
+def test_the_timed_steps_run_without_the_deterministic_algorithms_of_train_compare_fp8():
+    """Section 6 runs ``train_compare_fp8`` (deterministic kernels, for its bit-exact check) and then the timed
+    functions in the same rank processes. Deterministic algorithms would make every ``torch.empty`` in a timed
+    step fill its memory with NaN: ``train_compare_fp8`` must set them back to off when it returns."""
+    calls = [(lesson.train_compare_fp8, dict(recipe="hybrid", steps=1)),
+             (lesson.step_breakdown, dict(recipe="hybrid", reps=1)),
+             (fp8_step_benchmark.fsdp2_step_benchmark, dict(dim=32, hidden=64, n_blocks=1, tokens=16, reps=1,
+                                                            profile_steps=1, variants=("bf16", "hybrid")))]
+    for seen in launch(_deterministic_flag_in_timed_steps, world_size=2, device="cpu", args=(calls,), timeout=300,
+                       echo=False):
+        assert seen["train_compare_fp8"] == [True], seen  # the flag was on while it trained ...
+        for timed in ("step_breakdown", "fsdp2_step_benchmark"):
+            assert seen[timed] and not any(seen[timed]), (timed, seen)  # ... and off in every timed step
+        assert seen["after"] is False

@@ -20,7 +20,8 @@ scales are applied in the epilogue. What the hardware path accepts, and what to 
     formats               E4M3xE4M3, E4M3xE5M2, E5M2xE4M3; NOT E5M2xE5M2      weights/activations E4M3, grads E5M2
     scales, per-tensor    fp32, one element each (0-d, [1] or [1, 1])
     scales, row-wise      fp32 scale_a [M, 1] and scale_b [1, N], contiguous   (also E5M2 x E4M3 on sm_90)
-    out dtype             bf16, fp16 or fp32 (an FP8 output exists; not used here)
+    out dtype             bf16, fp16 or fp32 (an FP8 output exists; not     row-wise fp32: not on every GPU,
+                          used here)                                         see fp8_mm_rowwise (unchecked)
     bias (optional)       [N], contiguous, of the out dtype; added to the fp32  torch's _scaled_mm refuses it with
                           result before its one rounding (the epilogue)      an fp32 output: we add after (same value)
     use_fast_accum        keep the whole K sum in the tensor core's reduced-precision accumulator;
@@ -347,7 +348,12 @@ def fp8_mm_rowwise(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: torc
                    b_scale_inv: torch.Tensor, *, out_dtype: torch.dtype, a_fmt: str = "e4m3", b_fmt: str = "e4m3",
                    use_fast_accum: bool = False, backend: str = "auto") -> torch.Tensor:
     """Row-wise scaled ``A @ B``: codes A [M, K] row-major with ``a_scale_inv`` [M, 1], codes B [K, N]
-    column-major with ``b_scale_inv`` [1, N]; ``out[m, n] = a_scale_inv[m] * b_scale_inv[n] * (A @ B)[m, n]``."""
+    column-major with ``b_scale_inv`` [1, N]; ``out[m, n] = a_scale_inv[m] * b_scale_inv[n] * (A @ B)[m, n]``.
+
+    fp32 ``out_dtype`` on the torch backend is not checked here (it depends on GPU, CUDA and torch versions): torch
+    2.11 writes it through cuBLASLt (sm_90, CUDA >= 12.9, build and runtime); elsewhere its CUTLASS kernel raises
+    ValueError "Only bf16 and fp16 ... for row-wise scaling" (current torch source lets it write fp32). Portable:
+    a bf16 or fp16 output."""
     check_fp8_gemm(a_data, b_data, a_fmt, b_fmt, out_dtype)
     m, n = a_data.shape[0], b_data.shape[1]
     _check_rowwise_scale("a", a_scale_inv, (m, 1), a_data.device)
