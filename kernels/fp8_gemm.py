@@ -57,7 +57,8 @@ held in lockstep by CTA-wide barriers. Two ways get it:
 ``benchmarks/bench_fp8_gemm.py --sweep`` times every variant.
 
 Interpreter (CPU): Triton's interpreter mishandles low-precision ``tl.dot`` (Triton 3.9: FP8 goes through
-fp16 and loses E5M2 subnormals, bf16 comes out wrong), so there the codes
+fp16 with a converter that has no E4M3 NaN, so code 0x7F becomes 480 and 0xFF -480; bf16 comes out wrong),
+so there the codes
 are decoded to fp32 (``tutorial_kernels.fp8_round.decode_fp8``, exact) and multiplied with an fp32
 ``ieee`` dot; one small fixed config. Its loops follow the package's rule for runtime loop bounds
 (``tutorial_kernels``' docstring): the k-block count arrives as the constexpr ``K_BLOCKS``, the
