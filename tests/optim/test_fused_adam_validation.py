@@ -54,6 +54,30 @@ def test_unsupported_group_options_dtypes_devices_and_shared_quantizers_are_refu
         FusedAdam(ps, master_weights=True).init_state()
 
 
+def test_group_options_it_does_not_implement_are_refused_mid_run_and_from_a_torch_adam_state():
+    """An option set after the plan was built is refused at the next step, not ignored; a torch.optim.Adam
+    state_dict brings ``decoupled_weight_decay=False`` (L2 decay), which FusedAdam's AdamW decay would not honour;
+    a torch.optim.AdamW one (``True``) loads and steps."""
+    p = torch.nn.Parameter(_randn((8,), 3))
+    p.grad = _randn((8,), 4)
+    opt = FusedAdam([p], lr=1e-2)
+    opt.step()
+    opt.param_groups[0]["maximize"] = True
+    with pytest.raises(ValueError, match="maximize=True"):
+        opt.step()
+    for source, ok in ((torch.optim.Adam, False), (torch.optim.AdamW, True)):
+        q = torch.nn.Parameter(_randn((8,), 5))
+        q.grad = _randn((8,), 6)
+        theirs = source([torch.nn.Parameter(q.detach().clone())], lr=1e-2, weight_decay=0.1)
+        ours = FusedAdam([q], lr=1e-2, weight_decay=0.1)
+        ours.load_state_dict(theirs.state_dict())
+        if ok:
+            ours.step()
+        else:
+            with pytest.raises(ValueError, match=r"decoupled_weight_decay=False, e\.g\. from a torch\.optim\.Adam"):
+                ours.step()
+
+
 def test_preserved_high_precision_init_of_the_wrong_shape_is_refused():
     p = torch.nn.Parameter(_randn((4, 4), 0, torch.bfloat16))
     setattr(p, HP_INIT_ATTR, _randn((3, 4), 1))

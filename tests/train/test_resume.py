@@ -58,3 +58,19 @@ def test_every_format_resumes_bit_for_bit_after_a_crash(tmp_path, fmt):
     assert full.losses[0] != full.losses[-1], "the run trained"
     assert resumed.start_step == 3 and resumed.losses == full.losses[3:] and resumed.digests == full.digests
     assert _records(crashed) == _records(ref)
+
+
+def test_every_step_is_timed_once_and_a_new_run_never_takes_over_an_old_runs_directory(tmp_path):
+    """Evaluations (every 4) and checkpoints (every 5) between train records (every 3) pause the clock without
+    losing the steps timed before them: the records' ``steps_timed`` add up to every step. A second NEW run into
+    the same ``out`` is refused before training -- it would replace the run's definition and metrics, and its
+    ``--resume latest`` could pick up the first run's checkpoints -- while a resume of it is accepted."""
+    common = dict(fmt="bf16", size="tiny", steps=10, batch_size=2, warmup=2, ckpt_every=5, log_every=3,
+                  eval_every=4, eval_windows=2, device="cpu", progress=False, out=str(tmp_path / "run"))
+    cfgs = [TrainConfig(**common), TrainConfig(**common), TrainConfig(resume="latest", **common)]
+    sweep = launch(train_runs, world_size=1, device="cpu", args=(cfgs, True), timeout=600)[0]
+    first, refused, resumed = sweep.results
+    assert refused is None and "already holds a run" in sweep.errors[1] and "run.json" in sweep.errors[1], sweep.errors
+    assert resumed.start_step == 10 and resumed.digests == first.digests
+    timed = [(r["step"], r["steps_timed"]) for r in read_metrics(f"{tmp_path}/run/metrics.jsonl", "train")]
+    assert timed == [(3, 3), (6, 3), (9, 3), (10, 1)], timed

@@ -71,8 +71,8 @@ def _both_raise(per_rank, cls: str, failing_rank: int) -> str:
     return failing
 
 
-def test_a_run_definition_rank_0_cannot_write_stops_every_rank(tmp_path):
-    os.makedirs(tmp_path / RUN_FILE)  # rank 0's write of <out>/run.json fails; no other rank writes it
+def test_a_run_file_rank_0_cannot_write_stops_every_rank(tmp_path):
+    os.makedirs(tmp_path / "metrics.jsonl")  # rank 0's write of <out>/metrics.jsonl fails; no other rank writes it
     per_rank = launch(_outcome, world_size=2, device="cpu", args=(_cfg(tmp_path),), timeout=300,
                       collective_timeout=20)
     _both_raise(per_rank, "IsADirectoryError", 0)

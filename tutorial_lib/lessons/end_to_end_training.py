@@ -181,7 +181,7 @@ class MainGradPitfallResult:
     """What the broken ``main_grad`` set-ups do under FSDP2 (rank 0's view unless it says per rank)."""
 
     a_sharded_grads_none: bool  # (a) every MainGradLinear's sharded parameter has .grad None after backward
-    a_control_grad_ok: bool  # (a) the ordinary control layer's gradient equals the single-process reference
+    a_control_grad_ok: bool  # (a) the control layer's gradient matches the single-process one (rtol 1e-5, atol 1e-7)
     a_rank_grad_diff: float  # (a) max |main_grad rank 0 - rank 1| (blocks.0.fc1): nothing was reduced
     a_rank_grad_vs_ref: float  # (a) max |this rank's main_grad - reference gradient of the global batch|
     a_mean_vs_ref: float  # (a) max |mean over ranks of main_grad - reference|: what a reduce-scatter would give

@@ -112,7 +112,7 @@ from tutorial_kernels.adam import launch_adamw
 
 from tutorial_lib.optim.amax_reduce import requantize
 from tutorial_lib.optim.fused_adam_fp8 import fp8_current_step, fp8_delayed_step
-from tutorial_lib.optim.fused_adam_plan import Plan
+from tutorial_lib.optim.fused_adam_plan import Plan, check_group_options
 from tutorial_lib.optim.fused_adam_routes import MASTER_ROUTES, ROUTES, fused_fp8_format, planned_param, route_param
 from tutorial_lib.quant.tensor import HP_INIT_ATTR, is_quantized, local_tensor
 
@@ -285,6 +285,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def _plan(self, gi: int, group: dict) -> Plan:
         """The group's cached plan; built (creating missing state) on first use or after new storage."""
+        check_group_options(group)  # also mid-run: an option set after the plan was built is not ignored
         plan = self._plans.get(gi)
         if plan is None or not plan.built_for(group) or not plan.same_params(group) or plan.stale():
             # first step, param_groups edited, or a parameter got new storage (p.data = ..., FSDP2 lazy init)

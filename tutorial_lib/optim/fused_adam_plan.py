@@ -94,6 +94,19 @@ class Bucket:
     device_index: torch.Tensor | None = None  # capturable: ``index`` on the device
 
 
+def check_group_options(group: dict) -> None:
+    """Refuse (``ValueError``) the param-group options FusedAdam does not implement -- found there e.g. after
+    loading a ``torch.optim.Adam`` / ``AdamW`` state_dict, or set by a user mid-run: ``amsgrad=True``,
+    ``maximize=True``, and ``decoupled_weight_decay=False`` (torch 2.13's ``Adam``: L2 decay added to the
+    gradient, where FusedAdam's decay is AdamW's, decoupled). Asked at every step: a dict lookup each."""
+    for key in ("amsgrad", "maximize"):
+        if group.get(key):
+            raise ValueError(f"FusedAdam does not implement {key}=True (found in a param group)")
+    if group.get("decoupled_weight_decay", True) is False:
+        raise ValueError("FusedAdam's weight decay is AdamW's (decoupled); this param group asks for Adam's L2 decay "
+                         "(decoupled_weight_decay=False, e.g. from a torch.optim.Adam state_dict)")
+
+
 class Plan:
     """Everything one param group needs per step, built once: locals, routes, buckets, tables.
 
@@ -113,9 +126,7 @@ class Plan:
         (device-side step scalars), ``fuse_requantize`` (block formats and current-scaled FP8 requantized
         by the kernels) and ``batch_amax_reduce`` (False: current-scaled FP8 is not fused, one all-reduce
         per parameter)."""
-        for key in ("amsgrad", "maximize"):  # e.g. hyper-parameters loaded from a torch.optim.AdamW state
-            if group.get(key):
-                raise ValueError(f"FusedAdam does not implement {key}=True (found in a param group)")
+        check_group_options(group)
         # torch.optim steps a parameter whenever it has a grad. The plan covers the parameters that
         # may get one (requires_grad, or a grad already set); the others are watched by stale(), so
         # a parameter unfrozen later joins at the step it first has a grad (with fresh state, as in torch).

@@ -47,7 +47,9 @@ def fused_fp8_format(local: torch.Tensor) -> str | None:
     Decided from the protocol only: per-tensor layout (no blocks), buffers ``data`` (uint8, the
     tensor's shape, contiguous) and ``scale_inv`` (fp32 scalar), meta ``fmt`` e4m3/e5m2, and a
     quantizer whose scale is known BEFORE the update (``scale`` + ``record_amax``: delayed
-    scaling). Current scaling needs the new amax first, so it takes the requantize route.
+    scaling). Current scaling needs the new amax first, so it takes the requantize route. The kernel then writes
+    ``saturate(RNE(master * scale))`` itself: a quantizer that offers ``scale`` + ``record_amax`` promises that
+    cast (a subclass that casts otherwise must not offer them, or its bytes would be the kernel's, not its own).
     """
     if not is_quantized(local) or not _per_tensor_fp8_buffers(local):
         return None

@@ -44,7 +44,8 @@ from tutorial_lib.dist.checkpoint import load_checkpoint, save_checkpoint
 from tutorial_lib.dist.training_state import TrainingState
 from tutorial_lib.train.data import corpus_bytes
 
-__all__ = ["RUN_FILE", "RunMismatchError", "check_no_checkpoints_ahead", "check_same_run", "checkpoint_due",
+__all__ = ["RUN_FILE", "RunMismatchError", "check_fresh_out", "check_no_checkpoints_ahead", "check_same_run",
+           "checkpoint_due",
            "checkpoint_path", "latest_checkpoint", "load_training_checkpoint", "resolve_resume", "run_definition",
            "save_training_checkpoint", "write_run_definition"]
 
@@ -166,3 +167,14 @@ def check_no_checkpoints_ahead(out: str | os.PathLike, start: int, steps: int, e
     if taken:
         raise FileExistsError(f"{len(taken)} checkpoint(s) this run would write already exist, first {taken[0]}: "
                               "resume from the latest one, or move them / use a new --out")
+
+
+def check_fresh_out(out: str | os.PathLike) -> None:
+    """Refuse (``FileExistsError``) before any training a NEW run (no ``--resume``) into an ``out`` that already
+    holds a run: its ``run.json`` or a complete checkpoint. The new run would replace that run's definition and
+    metrics, and a later ``--resume latest`` could then continue from the old run's checkpoints as if they were
+    its own (the definition it compares against would be the new one)."""
+    found = [p for p in (os.path.join(os.fspath(out), RUN_FILE), latest_checkpoint(out)) if p and os.path.exists(p)]
+    if found:
+        raise FileExistsError(f"{os.fspath(out)} already holds a run ({', '.join(found)}): --resume latest continues "
+                              "it; a new run needs another --out (or remove that one)")

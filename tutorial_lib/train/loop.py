@@ -61,6 +61,7 @@ from tutorial_lib.harness.progress import progress
 from tutorial_lib.optim.fused_adam import FusedAdam
 from tutorial_lib.quant.registry import get_format_info, recipe
 from tutorial_lib.train.checkpoints import (
+    check_fresh_out,
     check_no_checkpoints_ahead,
     check_same_run,
     checkpoint_due,
@@ -79,7 +80,7 @@ __all__ = ["STEP_PHASES", "SimulatedCrash", "TrainConfig", "TrainResult", "build
 
 
 class SimulatedCrash(RuntimeError):
-    """Raised by :func:`train` after step ``crash_after`` (lessons and tests: a job that dies mid-run)."""
+    """Raised by :func:`train_model` after step ``crash_after`` (lessons and tests: a job that dies mid-run)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +127,7 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class TrainResult:
-    """What one rank's :func:`train` returns (every field is the same on every rank unless it says per rank)."""
+    """What one rank's :func:`train_model` returns (every field is the same on every rank unless it says per rank)."""
 
     fmt: str  # weight format
     matmul: str  # how the linear layers multiply (FP8 GEMMs, dequantize-on-use, bf16 GEMMs)
@@ -331,6 +332,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     # every rank trains, or every rank raises
     with every_rank_or_none(f"checking the run directory {cfg.out}"):
         if cfg.out is not None:
+            if not resume_path:
+                check_fresh_out(cfg.out)  # a new run never takes over another run's directory
             check_no_checkpoints_ahead(cfg.out, start, cfg.steps, cfg.ckpt_every)  # every save would succeed
     with every_rank_or_none(f"writing the run definition and metrics log into {cfg.out}"):
         if cfg.out is not None and rank == 0:
@@ -348,13 +351,15 @@ def train_model(cfg: TrainConfig) -> TrainResult:
     quiet = rank != 0 or not cfg.progress  # one bar per job, of the kind that suits where it runs
     bar = progress(total=cfg.steps, initial=start, desc=cfg.fmt, unit="step", enabled=not quiet)
     _sync(dev)
-    t0, n_timed = time.perf_counter(), 0
+    # every step is timed in the interval of the next train record; the clock pauses for that record's own work,
+    # evaluations and checkpoints (not training time), so an evaluation between records loses no step
+    t0, n_timed, timed_s = time.perf_counter(), 0, 0.0
     for step in range(start, cfg.steps):
         pending.append(train_step(model, opt, data, cfg, step, dev))
         n_timed += 1
         bar.update(1)
         done = step + 1
-        restart = False  # a new timing interval starts after every record, evaluation and checkpoint
+        paused = False  # the clock stopped at this step: it restarts below, once the step's other work is done
         if done % cfg.log_every == 0 or done == cfg.steps:
             mean = torch.stack([*pending, records.flag(pending[0])]).float()  # the losses, "a metrics write failed"
             dist.all_reduce(mean)
@@ -362,7 +367,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
             if write_failed:  # the same on every rank: all of them raise here
                 records.raise_on_every_rank()
             _sync(dev)
-            elapsed = time.perf_counter() - t0
+            elapsed = timed_s + time.perf_counter() - t0
+            paused = True
             losses += step_losses
             pending = []
             rate, step_ms = n_timed * tokens_per_step / elapsed, 1e3 * elapsed / n_timed
@@ -372,26 +378,30 @@ def train_model(cfg: TrainConfig) -> TrainResult:
             mems = [torch.zeros_like(mem) for _ in range(ws)]
             dist.all_gather(mems, mem)
             records.write("train", step=done, loss=step_losses[-1], lr=learning_rate(cfg, step), tokens_per_s=rate,
-                          step_ms=step_ms, peak_memory_bytes=[int(m.item()) for m in mems],
+                          step_ms=step_ms, steps_timed=n_timed, peak_memory_bytes=[int(m.item()) for m in mems],
                           memory_kind=memory_kind(dev))
             bar.set_postfix(loss=f"{step_losses[-1]:.3f}", tok_s=f"{rate:,.0f}")
-            restart = True
+            n_timed, timed_s = 0, 0.0
+        save = checkpoint_due(done, cfg.steps, cfg.ckpt_every)  # every ckpt_every steps, and after the last
+        score = done % cfg.eval_every == 0 or done == cfg.steps
+        if (save or score) and not paused:  # between two records: keep the steps timed so far, then pause
+            _sync(dev)
+            timed_s += time.perf_counter() - t0
+            paused = True
         # the checkpoint before the evaluation: the step's work is saved first
-        if checkpoint_due(done, cfg.steps, cfg.ckpt_every):  # every ckpt_every steps, and after the last
+        if save:
             checkpoints.append(save_training_checkpoint(model, opt, done, cfg.out))
             records.write("checkpoint", step=done, path=checkpoints[-1])
-            restart = True
-        if done % cfg.eval_every == 0 or done == cfg.steps:
+        if score:
             val_losses[done] = evaluate(model, data, cfg, dev)
             records.write("eval", step=done, val_loss=val_losses[done])
-            restart = True
         if cfg.crash_after is not None and done == cfg.crash_after:
             bar.close()
             # a failed metrics write kept since the last log point goes with it (rank 0's traceback shows it)
             raise SimulatedCrash(f"simulated crash after step {done}") from records.error
-        if restart:  # each rate covers its own interval; evaluation and checkpoint time is not training time
+        if paused:  # training time resumes with the next step
             _sync(dev)
-            t0, n_timed = time.perf_counter(), 0
+            t0 = time.perf_counter()
     bar.close()
     if cfg.steps not in val_losses:  # resumed exactly at the end: nothing ran
         if rank == 0:

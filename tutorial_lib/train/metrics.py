@@ -5,14 +5,15 @@ dropping the records of the steps it runs again -- those past its checkpoint, an
 every step has one record)::
 
     {"event": "start", "format": "fp8", "matmul": "...", "world_size": 2, "n_params": ..., "config": {...}}
-    {"event": "train", "step": 10, "loss": 2.71, "lr": ..., "tokens_per_s": ..., "step_ms": ...,
+    {"event": "train", "step": 10, "loss": 2.71, "lr": ..., "tokens_per_s": ..., "step_ms": ..., "steps_timed": 5,
      "peak_memory_bytes": [rank 0, rank 1, ...], "memory_kind": "cuda max_memory_allocated"}
     {"event": "eval", "step": 25, "val_loss": 2.43}
     {"event": "checkpoint", "step": 50, "path": "..."}
     {"event": "end", "step": 100, "val_loss": ..., "tokens_per_s": ...}
 
-``loss`` is the mean over ranks of the step's last training loss; ``tokens_per_s`` counts every
-rank's tokens over the steps since the previous record (evaluation and checkpoint time excluded).
+``loss`` is the mean over ranks of the step's last training loss; ``tokens_per_s`` and ``step_ms`` cover the
+``steps_timed`` steps since the previous record, every rank's tokens (evaluation and checkpoint time excluded:
+the clock pauses for them, so every step of a run is timed in exactly one record).
 Peak memory is per rank: on CUDA the caching allocator's ``max_memory_allocated`` since the run
 started; on the CPU the process's peak resident set size (``ru_maxrss``: the whole process, Python
 and torch included, so only its differences between formats mean anything).
