@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 from dataclasses import dataclass
@@ -159,6 +160,28 @@ def deterministic_cuda() -> None:
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
     torch.use_deterministic_algorithms(True, warn_only=False)
+
+
+@contextlib.contextmanager
+def deterministic_mode_restored():
+    """Undo, on exit, what :func:`deterministic_cuda` switches on inside the block (a context manager, or a
+    decorator: ``@deterministic_mode_restored()``). torch's deterministic algorithms go back to their previous
+    setting -- they also make every ``torch.empty`` fill its memory with NaN
+    (``torch.utils.deterministic.fill_uninitialized_memory``), work a timed step run after the block must not do
+    -- and ``CUBLAS_WORKSPACE_CONFIG`` to its previous value. That variable's effect cannot be undone inside the
+    process: torch reads it once, at its first cuBLAS call (the launcher sets it in every CUDA rank anyway, unless
+    ``launch(..., deterministic=False)``)."""
+    was_on = torch.are_deterministic_algorithms_enabled()
+    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
+    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was_on, warn_only=was_warn)
+        if cublas is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
 
 
 def triton_mode() -> str:

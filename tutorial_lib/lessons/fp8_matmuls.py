@@ -31,7 +31,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import os
 import re
 from collections.abc import Iterator
 
@@ -42,6 +41,7 @@ import torch.nn.functional as F
 
 from tutorial_lib.dist import quantized_init as qi
 from tutorial_lib.dist.mesh import world_mesh
+from tutorial_lib.dist.runtime import deterministic_mode_restored
 from tutorial_lib.harness.bench import median_ms_all_ranks
 from tutorial_lib.harness.kernel_ranges import exact_name
 from tutorial_lib.harness.profiling import profiled_range_ms
@@ -211,30 +211,10 @@ def _gemm_counts(counts: collections.Counter) -> list[GemmCount]:
     return [GemmCount(scaling=s, backend=b, calls=n) for (s, b), n in sorted(counts.items())]
 
 
-@contextlib.contextmanager
-def _deterministic_scope() -> Iterator[None]:
-    """Undo, on exit, what ``world_mesh(deterministic=True)`` switches on for the block (on CUDA ranks:
-    :func:`tutorial_lib.dist.runtime.deterministic_cuda`): torch's deterministic algorithms -- which also make
-    every ``torch.empty`` fill its memory with NaN (``torch.utils.deterministic.fill_uninitialized_memory``),
-    work a timed step must not do -- go back to their previous setting, ``CUBLAS_WORKSPACE_CONFIG`` to its
-    previous value. The variable's effect cannot be undone inside the process: torch reads it once, at its
-    first cuBLAS call; on CUDA ranks the launcher sets it anyway, unless ``launch(..., deterministic=False)``."""
-    was_on = torch.are_deterministic_algorithms_enabled()
-    was_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was_on, warn_only=was_warn)
-        if cublas is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-        else:
-            os.environ["CUBLAS_WORKSPACE_CONFIG"] = cublas
-
-
 # ----------------------------------------------------------------------------- training next to the twin
 
 
+@deterministic_mode_restored()  # on CUDA ranks deterministic for the bit-exact comparison only, restored on return
 def train_compare_fp8(recipe: str = "hybrid", *, dim: int | None = None, hidden: int | None = None,
                       tokens: int | None = None, n_blocks: int = 2, steps: int = 3, lr: float = 1e-2,
                       weight_decay: float = 0.01, seed: int = 0, reshard_after_forward: bool = True,
@@ -262,58 +242,55 @@ def train_compare_fp8(recipe: str = "hybrid", *, dim: int | None = None, hidden:
     if fmt not in (WEIGHT_FORMATS[recipe], *(("fp8_delayed",) if recipe == "hybrid" else ())):
         raise ValueError(f"recipe {recipe!r} takes weights in {WEIGHT_FORMATS[recipe]!r}"
                          + (" or 'fp8_delayed'" if recipe == "hybrid" else "") + f", got {fmt!r}")
-    with _deterministic_scope():  # on CUDA ranks for the bit-exact comparison only, restored on return
-        mesh, dev = world_mesh(deterministic=True)
-        ws, rank = mesh.size(), mesh.get_local_rank()
-        d0, h0, t0 = default_shapes(recipe, ws)
-        dim, hidden, tokens = dim or d0, hidden or h0, tokens or t0
-        rec = make_recipe(fmt)
-        build = lambda fp8: BlockMLP(dim, hidden, n_blocks, seed=seed, fp8=fp8)  # noqa: E731
-        model = qi.build_sharded_quantized(lambda: build(recipe), mesh, rec, dev, preserve_high_precision=True,
-                                           reshard_after_forward=reshard_after_forward)
-        twins = {name: qi.quantize_params_(build(fp8).to(dev), rec, preserve_high_precision=True)
-                 for name, fp8 in (("ref", recipe), ("dequant", None))}
-        masters = qi.MasterWeights(model)
-        twin_masters = {name: qi.MasterWeights(m) for name, m in twins.items()}
-        adamw = lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,  # noqa: E731
-                                                 foreach=False)
-        opt = adamw(masters.parameters())
-        twin_opts = {name: adamw(m.parameters()) for name, m in twin_masters.items()}
-        reset_counters()
-        gemms = collections.Counter()
-        losses, twin_losses, dequantizes = [], {"ref": [], "dequant": []}, 0
-        for step in range(steps):
-            x = counter_uniform(10_000 + step, "x", (ws * tokens, dim), device=dev)  # the global batch, every rank
-            t = counter_uniform(10_000 + step, "target", (ws * tokens, dim), device=dev)
-            mine = slice(rank * tokens, (rank + 1) * tokens)
-            before = collections.Counter(GEMM_CALLS)
-            with count_dequantizes() as count:
-                loss = F.mse_loss(model(x[mine]), t[mine])
-                loss.backward()
-            dequantizes += count.calls
-            gemms += GEMM_CALLS - before
-            masters.step(opt)
-            for name, twin in twins.items():
-                twin_loss = sum(F.mse_loss(twin(x[r * tokens:(r + 1) * tokens]), t[r * tokens:(r + 1) * tokens])
-                                for r in range(ws)) / ws
-                twin_loss.backward()
-                twin_masters[name].step(twin_opts[name])
-                twin_losses[name].append(float(twin_loss.detach()))
-            dist.all_reduce(g := loss.detach().clone())
-            losses.append(float(g / ws))
-        fallbacks = sum(FALLBACKS.values())
-        pairs = [(local_tensor(m).detach(), local_tensor(rm).detach()[slice(*local_rows(p))])
-                 for (p, m), (_, rm) in zip(masters.pairs, twin_masters["ref"].pairs)]
-        pairs = [(a, b) for a, b in pairs if a.numel()]
-        return Fp8TrainCompareResult(
-            rank=rank, world_size=ws, recipe=recipe, weight_format=fmt, dim=dim, hidden=hidden, tokens=tokens,
-            steps=steps, losses=losses, ref_losses=twin_losses["ref"], dequant_losses=twin_losses["dequant"],
-            params=_compare_params(model, twins["ref"]), masters_equal=all(torch.equal(a, b) for a, b in pairs),
-            masters_max_abs_diff=max([float((a - b).abs().max()) for a, b in pairs] or [0.0]),
-            gemms=_gemm_counts(gemms),
-            fallbacks=fallbacks, weight_dequantizes=dequantizes,
-            masters_apart_fraction=sum(int(((a - b).abs() > lr / 2).sum()) for a, b in pairs) / max(1, sum(
-                a.numel() for a, _ in pairs)))
+    mesh, dev = world_mesh(deterministic=True)
+    ws, rank = mesh.size(), mesh.get_local_rank()
+    d0, h0, t0 = default_shapes(recipe, ws)
+    dim, hidden, tokens = dim or d0, hidden or h0, tokens or t0
+    rec = make_recipe(fmt)
+    build = lambda fp8: BlockMLP(dim, hidden, n_blocks, seed=seed, fp8=fp8)  # noqa: E731
+    model = qi.build_sharded_quantized(lambda: build(recipe), mesh, rec, dev, preserve_high_precision=True,
+                                       reshard_after_forward=reshard_after_forward)
+    twins = {name: qi.quantize_params_(build(fp8).to(dev), rec, preserve_high_precision=True)
+             for name, fp8 in (("ref", recipe), ("dequant", None))}
+    masters = qi.MasterWeights(model)
+    twin_masters = {name: qi.MasterWeights(m) for name, m in twins.items()}
+    adamw = lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False)  # noqa: E731
+    opt = adamw(masters.parameters())
+    twin_opts = {name: adamw(m.parameters()) for name, m in twin_masters.items()}
+    reset_counters()
+    gemms = collections.Counter()
+    losses, twin_losses, dequantizes = [], {"ref": [], "dequant": []}, 0
+    for step in range(steps):
+        x = counter_uniform(10_000 + step, "x", (ws * tokens, dim), device=dev)  # the global batch, every rank
+        t = counter_uniform(10_000 + step, "target", (ws * tokens, dim), device=dev)
+        mine = slice(rank * tokens, (rank + 1) * tokens)
+        before = collections.Counter(GEMM_CALLS)
+        with count_dequantizes() as count:
+            loss = F.mse_loss(model(x[mine]), t[mine])
+            loss.backward()
+        dequantizes += count.calls
+        gemms += GEMM_CALLS - before
+        masters.step(opt)
+        for name, twin in twins.items():
+            twin_loss = sum(F.mse_loss(twin(x[r * tokens:(r + 1) * tokens]), t[r * tokens:(r + 1) * tokens])
+                            for r in range(ws)) / ws
+            twin_loss.backward()
+            twin_masters[name].step(twin_opts[name])
+            twin_losses[name].append(float(twin_loss.detach()))
+        dist.all_reduce(g := loss.detach().clone())
+        losses.append(float(g / ws))
+    fallbacks = sum(FALLBACKS.values())
+    pairs = [(local_tensor(m).detach(), local_tensor(rm).detach()[slice(*local_rows(p))])
+             for (p, m), (_, rm) in zip(masters.pairs, twin_masters["ref"].pairs)]
+    pairs = [(a, b) for a, b in pairs if a.numel()]
+    return Fp8TrainCompareResult(
+        rank=rank, world_size=ws, recipe=recipe, weight_format=fmt, dim=dim, hidden=hidden, tokens=tokens,
+        steps=steps, losses=losses, ref_losses=twin_losses["ref"], dequant_losses=twin_losses["dequant"],
+        params=_compare_params(model, twins["ref"]), masters_equal=all(torch.equal(a, b) for a, b in pairs),
+        masters_max_abs_diff=max([float((a - b).abs().max()) for a, b in pairs] or [0.0]), gemms=_gemm_counts(gemms),
+        fallbacks=fallbacks, weight_dequantizes=dequantizes,
+        masters_apart_fraction=sum(int(((a - b).abs() > lr / 2).sum()) for a, b in pairs) / max(1, sum(
+            a.numel() for a, _ in pairs)))
 
 
 # ----------------------------------------------------------------------------- step breakdown
