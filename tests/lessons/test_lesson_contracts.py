@@ -102,3 +102,20 @@ def test_lesson_modules_use_public_library_names_only(module):
 def test_notebooks_use_public_library_names_only(path):
     code = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code")
     assert _private_library_uses(ast.parse(code)) == []
+
+
+def _calls_deterministic_world_mesh(fn: ast.FunctionDef) -> bool:
+    return any(isinstance(n, ast.Call) and getattr(n.func, "id", None) == "world_mesh"
+               and any(k.arg == "deterministic" and getattr(k.value, "value", None) is True for k in n.keywords)
+               for n in ast.walk(fn))
+
+
+@pytest.mark.parametrize("name", sorted(RANK_FUNCTIONS))
+def test_rank_functions_switching_deterministic_mode_on_restore_it(name):
+    """``world_mesh(deterministic=True)`` switches torch's deterministic algorithms on in a CUDA rank (every
+    ``torch.empty`` then fills with NaN): a lesson function that asks for it restores the previous mode on
+    return (``@deterministic_mode_restored()``), so later calls in the same rank process run as they would alone."""
+    tree = ast.parse(inspect.getsource(_module(name)))
+    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef) and _calls_deterministic_world_mesh(n)):
+        decorators = [getattr(getattr(d, "func", d), "id", None) for d in fn.decorator_list]
+        assert "deterministic_mode_restored" in decorators, f"{name}.{fn.name} leaves deterministic mode on"

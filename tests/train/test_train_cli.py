@@ -171,3 +171,23 @@ def test_more_ranks_than_validation_windows_fail_before_training(tmp_path):
 def test_timeout_must_be_positive():
     with pytest.raises(SystemExit):
         parse_args(["--out", "runs/x", "--timeout", "0"])
+
+
+def test_a_failure_while_training_is_not_a_refusal(tmp_path):
+    """A ValueError raised after every check passed is a failure: its traceback and status 1, not exit 2."""
+    broken = (
+        "import runpy, sys\n"
+        "import tutorial_lib.train.loop as loop\n"
+        "real = loop.train_step\n"
+        "def train_step(model, opt, data, cfg, step, dev):\n"
+        "    if step == 1:\n"
+        "        raise ValueError('a bug in step 1')\n"
+        "    return real(model, opt, data, cfg, step, dev)\n"
+        "loop.train_step = train_step\n"
+        "sys.argv = ['tutorial_lib.train', *sys.argv[1:]]\n"
+        "runpy.run_module('tutorial_lib.train', run_name='__main__')\n")
+    r = _run([sys.executable, "-c", broken, "--out", str(tmp_path / "run"), *ARGS[:6], "--steps", "3",
+              "--no-progress"], timeout=120)
+    assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
+    assert "Traceback (most recent call last)" in r.stderr and "ValueError: a bug in step 1" in r.stderr, r.stderr
+    assert "error (rank" not in r.stderr, "a failure while training must not read as a refused configuration"

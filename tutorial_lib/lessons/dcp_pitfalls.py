@@ -58,6 +58,7 @@ from tutorial_lib.dist.checkpoint import (
 from tutorial_lib.dist.export import export_fp32_safetensors
 from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.dist.quantized_init import build_sharded_quantized, quantize_params_
+from tutorial_lib.dist.runtime import deterministic_mode_restored
 from tutorial_lib.dist.training_state import TrainingState, optimizer_step_count
 from tutorial_lib.models import BlockMLP, local_rows
 from tutorial_lib.optim.fused_adam import FusedAdam
@@ -286,6 +287,7 @@ def resume_and_step(cfg: RunConfig, path: str, mesh, dev, rank: int, saved: Snap
                         after_mismatch=mismatched_keys(after.tensors, ref_after.tensors))
 
 
+@deterministic_mode_restored()  # deterministic on CUDA ranks for the bit-exact claims, restored on return
 def checkpoint_run(root: str, cfg: RunConfig = RunConfig(), export: bool = True) -> CheckpointRunResult:
     """Train, checkpoint (sync + async + fp32 export), continue; resume (:data:`RESUME_MODES`); compare.
 
@@ -346,6 +348,7 @@ class ReshardLoadResult:
     load_world_size: int  # ranks that loaded the checkpoint (the shard group of the loaded model)
 
 
+@deterministic_mode_restored()  # deterministic on CUDA ranks for the bit-exact claims, restored on return
 def reshard_load_run(root: str, cfg: RunConfig, expected: dict, mode: str = "sync",
                      load_world_size: int | None = None) -> ReshardLoadResult | None:
     """Load ``root/<mode>`` at THIS world size; compare every local shard with ``expected`` (full tensors).

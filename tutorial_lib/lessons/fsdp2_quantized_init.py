@@ -37,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 from tutorial_lib.dist import fsdp2 as fq
 from tutorial_lib.dist import quantized_init as qi
 from tutorial_lib.dist.mesh import world_mesh
+from tutorial_lib.dist.runtime import deterministic_mode_restored
 from tutorial_lib.harness.bench import median_ms_all_ranks
 from tutorial_lib.harness.profiling import quiet_profiler, track_peak_memory
 from tutorial_lib.lessons.dtensor import record_quantized_dispatch  # lesson 05: ops reaching QuantizedTensor
@@ -358,6 +359,7 @@ def _compare_params(model: nn.Module, ref: nn.Module, before: dict) -> dict[str,
     return out
 
 
+@deterministic_mode_restored()  # deterministic on CUDA ranks for the bit-exact claims, restored on return
 def train_compare(dim: int = 32, hidden: int = 64, n_blocks: int = 2, steps: int = 3, recipe: str = "fp8", *,
                   reshard_after_forward: bool = True, batch: int = 4, lr: float = 1e-2, weight_decay: float = 0.01,
                   hook_form: str | None = None, seed: int = 0, lag_ms: float = 0.0) -> TrainCompareResult:

@@ -20,7 +20,8 @@ every node can read and write (checkpoints are written by every rank, ``metrics.
 Security: multi-node rendezvous listens on the network without authentication; ``SECURITY.md`` says
 which ports and how to keep them private.
 
-Bad input fails before any training, with exit status 2 and one line naming the constraint:
+Bad input fails before any training, with exit status 2 and one line naming the constraint (an error
+raised once training has started is a failure, not a refusal: it leaves with its traceback and exit status 1):
 an unknown ``--format`` or ``--size``, ``--resume`` with no complete checkpoint, a resume whose
 steps, batch, data seed or schedule differ from the run it continues, checkpoints this run would
 write that already exist, more ranks than ``--eval-windows``, ``--device cpu`` next to compiled
@@ -115,7 +116,8 @@ def init_process_group_from_env(device: str, timeout_s: float) -> torch.device:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse, check, initialise, train; returns the exit status (0, or 2 for a refused configuration)."""
+    """Parse, check, initialise, train; returns the exit status (0, or 2 for a refused configuration); an error
+    raised while training propagates."""
     cfg, timeout_s = parse_args(argv)
     try:
         resolve_resume(cfg.resume, cfg.out)  # before the rendezvous: a missing checkpoint fails fast
@@ -123,9 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    started = []  # set once every check of the run has passed: later errors are failures, not refusals
     try:
-        train_model(cfg)
+        train_model(cfg, on_start=lambda: started.append(True))
     except (UnshardableError, FileNotFoundError, FileExistsError, ValueError) as exc:
+        if started:
+            raise  # a failure while training: its traceback, not a one-line refusal
         print(f"error (rank {dist.get_rank()}): {exc}", file=sys.stderr)
         return 2
     finally:

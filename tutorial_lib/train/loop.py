@@ -46,6 +46,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -310,8 +311,13 @@ def _agreed_resume_path(cfg: TrainConfig) -> str | None:
     return mine[1]
 
 
-def train_model(cfg: TrainConfig) -> TrainResult:
-    """Run (or resume) one training run on every rank of the current process group; see the module docstring."""
+def train_model(cfg: TrainConfig, *, on_start: Callable[[], None] | None = None) -> TrainResult:
+    """Run (or resume) one training run on every rank of the current process group; see the module docstring.
+
+    Every refusal (a resume of another run, an --out holding a run, too few validation windows, an unshardable
+    world size, ...) is raised before the first step; ``on_start``, if given, is called on this rank once all of
+    them have passed. The command line uses it to tell a refused configuration (one line, exit 2) from a failure
+    while training (the traceback)."""
     mesh, dev = train_mesh(cfg)
     rank, ws = dist.get_rank(), dist.get_world_size()
     resume_path = _agreed_resume_path(cfg)
@@ -345,6 +351,8 @@ def train_model(cfg: TrainConfig) -> TrainResult:
         print(f"[train] {cfg.fmt}: {matmul}; {ws} rank(s) on {dev.type}; {model_cfg.n_params():,} parameters"
               + (f"; resumed at step {start} from {resume_path}" if resume_path else ""), flush=True)
     records = _RankZeroLog(log)  # from here a failed write is raised on every rank together
+    if on_start is not None:
+        on_start()
     tokens_per_step = ws * cfg.micro_batches * cfg.batch_size * model_cfg.seq_len
     losses, val_losses, checkpoints, rates, step_times = [], {}, [], [], []
     pending = []  # this interval's per-step losses, on the device (no host sync per step)
