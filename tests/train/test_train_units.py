@@ -338,3 +338,16 @@ def test_ranks_agree_on_the_checkpoint_they_resume_from_or_all_refuse(tmp_path):
     missing = launch(_resume_seen_by_ranks, world_size=2, device="cpu",
                      args=([ckpts[0], str(tmp_path / "nothing")],), timeout=120)   # one rank finds nothing
     assert all(r.startswith("refused: --resume") and "not a complete DCP checkpoint" in r for r in missing), missing
+
+
+def test_step_times_are_a_median_over_steps_not_over_log_intervals():
+    """A run's step_ms / tokens_per_s: each log interval's value weighs the steps it timed (a short last interval
+    weighs little), the first interval (compilation, warm-up) is left out unless it is the only one."""
+    from tutorial_lib.train.loop import _step_median
+
+    # intervals of 10, 10, 10 and 2 steps; the first (100 ms) is warm-up: over the 22 later steps the median is 2
+    assert _step_median([100.0, 1.0, 2.0, 50.0], [10, 10, 10, 2]) == 2.0
+    # 1 + 1 + 10 later steps, 10 of them at 3.0: the unweighted interval median (2.0) is not a median over steps
+    assert _step_median([9.0, 1.0, 2.0, 3.0], [10, 1, 1, 10]) == 3.0
+    assert _step_median([5.0], [3]) == 5.0  # one interval: the warm-up is all there is
+    assert math.isnan(_step_median([], []))

@@ -44,7 +44,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import statistics
 import time
 from collections.abc import Callable
 
@@ -139,8 +138,8 @@ class TrainResult:
     losses: list[float]  # loss of every step run here (mean over micro-batches and ranks): start_step .. steps - 1
     val_losses: dict[int, float]  # validation loss by step count
     final_val_loss: float  # validation loss after the last step
-    tokens_per_s: float  # training tokens/s, all ranks together: median over log intervals but the first (warm-up)
-    step_ms: float  # milliseconds per optimizer step: median over log intervals but the first (compilation, warm-up)
+    tokens_per_s: float  # training tokens/s, all ranks together: median over the steps of log intervals but the first
+    step_ms: float  # ms per optimizer step: median over the steps of log intervals but the first (compilation, warm-up)
     peak_memory_bytes: list[int]  # per rank: peak memory (memory_kind says which measure)
     memory_kind: str  # "cuda max_memory_allocated" or "cpu peak RSS of the process"
     checkpoints: list[str]  # checkpoint directories written by this run
@@ -226,8 +225,19 @@ def _sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
+def _step_median(values: list[float], steps: list[int]) -> float:
+    """The median over training steps of per-interval values (each interval's value counts once per step it timed:
+    a short last interval weighs what its steps weigh); the first interval (compilation, warm-up) is left out when
+    there are others. NaN when nothing was timed."""
+    pairs = list(zip(values, steps, strict=True))
+    pairs = sorted(pairs[1:] or pairs)
+    total = sum(n for _, n in pairs)
+    below = 0
+    for value, n in pairs:
+        below += n
+        if 2 * below >= total:
+            return value
+    return float("nan")
 
 
 STEP_PHASES = ("train.data", "train.forward", "train.backward", "train.optimizer")
@@ -354,7 +364,7 @@ def train_model(cfg: TrainConfig, *, on_start: Callable[[], None] | None = None)
     if on_start is not None:
         on_start()
     tokens_per_step = ws * cfg.micro_batches * cfg.batch_size * model_cfg.seq_len
-    losses, val_losses, checkpoints, rates, step_times = [], {}, [], [], []
+    losses, val_losses, checkpoints, rates, step_times, timed = [], {}, [], [], [], []
     pending = []  # this interval's per-step losses, on the device (no host sync per step)
     quiet = rank != 0 or not cfg.progress  # one bar per job, of the kind that suits where it runs
     bar = progress(total=cfg.steps, initial=start, desc=cfg.fmt, unit="step", enabled=not quiet)
@@ -382,6 +392,7 @@ def train_model(cfg: TrainConfig, *, on_start: Callable[[], None] | None = None)
             rate, step_ms = n_timed * tokens_per_step / elapsed, 1e3 * elapsed / n_timed
             rates.append(rate)
             step_times.append(step_ms)
+            timed.append(n_timed)
             mem = torch.tensor([peak_memory_bytes(dev)], dtype=torch.float64, device=dev)
             mems = [torch.zeros_like(mem) for _ in range(ws)]
             dist.all_gather(mems, mem)
@@ -421,7 +432,7 @@ def train_model(cfg: TrainConfig, *, on_start: Callable[[], None] | None = None)
     digests = [None] * ws
     dist.all_gather_object(digests, state_digest(model, opt))
     result = TrainResult(cfg.fmt, matmul, ws, model_cfg.n_params(), start, cfg.steps, losses, val_losses,
-                         val_losses[cfg.steps], _median(rates[1:] or rates), _median(step_times[1:] or step_times),
+                         val_losses[cfg.steps], _step_median(rates, timed), _step_median(step_times, timed),
                          [int(m.item()) for m in mems], memory_kind(dev), checkpoints, digests)
     records.finish("end", step=cfg.steps, val_loss=result.final_val_loss, tokens_per_s=result.tokens_per_s,
                    step_ms=result.step_ms, peak_memory_bytes=result.peak_memory_bytes, digests=digests)
