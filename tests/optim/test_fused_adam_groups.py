@@ -262,3 +262,31 @@ def test_a_group_set_after_the_plan_was_built_is_joined_by_a_rank_without_grads(
                     collective_timeout=20)
     # the newest entry, the one recorded with the group (older ones were each rank's own, before it was set)
     assert [h[0] for h in r0["histories"]] == [h[0] for h in r1["histories"]]
+
+
+def test_build_time_options_edited_between_steps_are_followed():
+    """``master_weights`` and ``fuse_requantize`` decide routes and kernel tables when a group's plan is built;
+    set in ``param_groups`` mid-run (as torch.optim lets any group option be), the next step rebuilds the plan:
+    bf16 parameters get their fp32 master from that step on, an MXFP8 parameter leaves or joins the fused pass."""
+    from tutorial_lib.quant.mxfp8 import MXFP8Quantizer
+
+    g = torch.Generator().manual_seed(5)
+    lowp = torch.nn.Parameter(torch.randn(64, generator=g).to(DEV, torch.bfloat16))
+    opt = FusedAdam([lowp], lr=LR)
+    lowp.grad = torch.randn(64, generator=g).to(DEV, torch.bfloat16)
+    opt.step()
+    assert opt.routes() == [["lowp"]] and "master_param" not in opt.state[lowp]
+    opt.param_groups[0]["master_weights"] = True
+    before = lowp.detach().float().clone()
+    opt.step()
+    assert opt.routes() == [["lowp_master"]]
+    master = opt.state[lowp]["master_param"]
+    assert not torch.equal(master, before) and torch.equal(lowp.detach(), master.to(torch.bfloat16))
+
+    mx = torch.nn.Parameter(MXFP8Quantizer().quantize(torch.randn(4, 64, generator=g).to(DEV, torch.bfloat16)))
+    opt = FusedAdam([mx], lr=LR, master_weights=True)
+    for fuse in (True, False, True):
+        opt.param_groups[0]["fuse_requantize"] = fuse
+        mx.grad = torch.randn(4, 64, generator=g).to(DEV, torch.bfloat16)
+        opt.step()
+        assert [b.fused_format for b in opt._plans[0].buckets] == ["mxfp8" if fuse else None]

@@ -146,7 +146,9 @@ class FusedAdam(torch.optim.Optimizer):
 
     The kernel tables are cached per group. They are rebuilt automatically when parameters get
     new storage (``p.data = ...``, FSDP2 lazy init), on ``load_state_dict`` and ``add_param_group``, and
-    when ``param_groups`` or a group's ``params`` list is edited in place (reordered, appended to, replaced).
+    when ``param_groups`` or a group's ``params`` list is edited in place (reordered, appended to, replaced), and
+    when a group's ``master_weights``, ``block``, ``capturable``, ``fuse_requantize`` or ``batch_amax_reduce`` is
+    changed.
     After writing new VALUES into parameters outside the optimizer (``model.load_state_dict``),
     call :meth:`reseed_master_weights`, or the next step continues from the old masters.
     """
@@ -393,7 +395,8 @@ class FusedAdam(torch.optim.Optimizer):
                 raise RuntimeError(f"betas or eps changed since capture() (now {group['betas']}, {group['eps']}; "
                                    f"captured {hyper}): call release_graph() or capture() again")
             if not plan.built_for(group):
-                raise RuntimeError("a param group's params changed since capture(): call rebuild() and capture() again")
+                raise RuntimeError("a param group's params or options (master_weights, fuse_requantize, ...) changed "
+                                   "since capture(): call rebuild() and capture() again")
             for i in (0, len(plan.params) - 1):
                 g = plan.params[i].grad
                 g = None if g is None else local_tensor(g)

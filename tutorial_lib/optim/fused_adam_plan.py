@@ -107,6 +107,15 @@ def check_group_options(group: dict) -> None:
                          "(decoupled_weight_decay=False, e.g. from a torch.optim.Adam state_dict)")
 
 
+PLAN_OPTIONS = ("master_weights", "block", "capturable", "fuse_requantize", "batch_amax_reduce")
+"""Param-group options a :class:`Plan` is built from (routes, tables, buckets): a plan built under other values is
+rebuilt at the next step. (lr, betas, eps, weight_decay and num_warps are read at every step.)"""
+
+
+def plan_options(group: dict) -> tuple:
+    return tuple(group.get(k) for k in PLAN_OPTIONS)
+
+
 class Plan:
     """Everything one param group needs per step, built once: locals, routes, buckets, tables.
 
@@ -131,6 +140,7 @@ class Plan:
         # may get one (requires_grad, or a grad already set); the others are watched by stale(), so
         # a parameter unfrozen later joins at the step it first has a grad (with fresh state, as in torch).
         self.group, self.group_params, self.n_group_params = group, group["params"], len(group["params"])
+        self.options = plan_options(group)  # built_for(): an option edited in the group rebuilds the plan
         self.group_snapshot = list(group["params"])  # the parameter objects, for same_params()
         covered = list(map(planned_param, group["params"]))
         self.params = list(itertools.compress(group["params"], covered))
@@ -235,10 +245,12 @@ class Plan:
         return any(grouped(local) for b in self.buckets for local, _ in b.pairs)
 
     def built_for(self, group: dict) -> bool:
-        """Still ``group`` and its unedited ``params`` list? (Else: groups reordered, a list replaced or appended
-        to.) Identity and length only; :meth:`same_params` also sees an entry replaced in place."""
+        """Still ``group``, its unedited ``params`` list and its :data:`PLAN_OPTIONS`? (Else: groups reordered, a
+        list replaced or appended to, ``master_weights`` or ``fuse_requantize`` set mid-run.) Identity, length and
+        five option values; :meth:`same_params` also sees an entry replaced in place."""
         params = group["params"]
-        return self.group is group and self.group_params is params and self.n_group_params == len(params)
+        return (self.group is group and self.group_params is params and self.n_group_params == len(params)
+                and self.options == plan_options(group))
 
     def same_params(self, group: dict) -> bool:
         """Does ``group["params"]`` still hold the parameter objects of the build (an entry replaced in
