@@ -76,6 +76,20 @@ def _uneven_block_scaled_weight_sharded_directly(root: str) -> None:
     layer(torch.ones(2, 64))
 
 
+def _uneven_block_scaled_weight_through_fully_shard_blocks(root: str) -> None:
+    """The same weight sharded by the library's ``fully_shard_blocks``: refused there, before any forward."""
+    from tutorial_lib.dist.fsdp2 import fully_shard_blocks
+    from tutorial_lib.dist.mesh import world_mesh
+    from tutorial_lib.dist.quantized_init import quantize_params_
+    from tutorial_lib.quant.registry import recipe
+
+    mesh, _ = world_mesh()
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([torch.nn.Linear(64, 3, bias=False)])
+    fully_shard_blocks(quantize_params_(model, recipe("mxfp8")), mesh)  # no forward: the refusal comes first
+
+
 def _peer_error_needing_more_than_a_message(root: str) -> None:
     from tutorial_lib.dist.agreement import every_rank_or_none
     from tutorial_lib.dist.checkpoint_checks import UnsafeCheckpointError
@@ -102,6 +116,7 @@ SCENARIOS = {
     "shared_dir_create": _shared_dir_rank_0_cannot_create,
     "shared_dir_pending": _shared_dir_async_save_failed_on_rank_1,
     "fsdp2_uneven": _uneven_block_scaled_weight_sharded_directly,
+    "fully_shard_blocks_uneven": _uneven_block_scaled_weight_through_fully_shard_blocks,
     "class_fallback": _peer_error_needing_more_than_a_message,
     "nothing_fails": _nothing_fails,
 }

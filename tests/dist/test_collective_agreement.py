@@ -63,6 +63,12 @@ def test_uneven_shards_that_cannot_be_padded_are_refused_by_every_rank_not_only_
     assert "divisible by the world size" in m0
 
 
+def test_fully_shard_blocks_refuses_an_unshardable_quantized_weight_before_the_first_all_gather(outcomes):
+    (c0, m0), (c1, m1) = outcomes["fully_shard_blocks_uneven"]
+    assert (c0, c1) == ("UnshardableError", "UnshardableError") and m0 == m1, outcomes["fully_shard_blocks_uneven"]
+    assert "blocks.0.weight" in m0 and "dim 0 (3) is not divisible by 2 ranks" in m0, m0
+
+
 def test_a_peer_error_class_that_needs_more_than_a_message_arrives_as_that_class_with_its_plain_attributes(outcomes):
     (c0, m0), (c1, m1) = outcomes["class_fallback"]
     assert (c0, c1) == ("UnsafeCheckpointError", "UnsafeCheckpointError"), outcomes["class_fallback"]

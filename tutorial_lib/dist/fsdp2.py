@@ -391,7 +391,14 @@ def post_all_gather_mode(mode: str) -> Iterator[None]:
 
 def fully_shard_blocks(model: nn.Module, mesh=None, *, blocks: str = "blocks", reshard_after_forward: bool = True,
                        mp_policy=None) -> nn.Module:
-    """``fully_shard`` each module of ``model.<blocks>`` (one all-gather per block), then the root."""
+    """``fully_shard`` each module of ``model.<blocks>`` (one all-gather per block), then the root.
+
+    Every quantized parameter is checked first (:func:`check_fsdp_shardable`, for the installed hook form): a
+    shard shape FSDP2 cannot gather is refused here, on every rank alike, not at the first all-gather."""
+    world_size = dist.get_world_size() if mesh is None else mesh.size()
+    for name, p in model.named_parameters():
+        if isinstance(p, QuantizedTensor):  # not yet a DTensor: the global tensor FSDP2 will split
+            check_fsdp_shardable(p, world_size, name)
     kw = {"mesh": mesh, "reshard_after_forward": reshard_after_forward,
           "mp_policy": mp_policy or MixedPrecisionPolicy()}
     with allow_flat_views():  # FSDP2 flattens each shard with view(-1): a raw-byte alias for block formats
