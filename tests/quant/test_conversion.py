@@ -155,3 +155,29 @@ def test_safetensors_export_of_float_values(tmp_path):
         save_file({"w": q.with_nominal_dtype(torch.float32)}, path)
     save_file({"w": q.float()}, path)
     assert torch.equal(load_file(path)["w"], q.dequantize(torch.float32))
+
+
+@pytest.mark.parametrize("name", ["mxfp8_floor", "mxfp8_rceil", "fp8_1x128_pow2", "fp8_128x128_pow2", "nvfp4_1x16"])
+def test_block_formats_decode_fp16_near_its_largest_value_saturated_not_to_inf(name):
+    """Finite fp16 input near 65504: a power-of-two scale (rceil, pow2_scales) lets codes round up past it
+    (65504 * 2**-8 -> E4M3's 256, 65536 decoded). The decode into fp16 saturates at 65504 (the FP8 cast's rule),
+    exactly the fp32 decode clamped to fp16's range; never inf."""
+    from tutorial_lib.quant.blockwise import BlockwiseFP8Quantizer
+    from tutorial_lib.quant.mxfp8 import MXFP8Quantizer
+    from tutorial_lib.quant.nvfp4 import NVFP4Quantizer
+
+    quantizer = {"mxfp8_floor": lambda: MXFP8Quantizer(), "mxfp8_rceil": lambda: MXFP8Quantizer("rceil"),
+                 "fp8_1x128_pow2": lambda: BlockwiseFP8Quantizer((1, 128), pow2_scales=True),
+                 "fp8_128x128_pow2": lambda: BlockwiseFP8Quantizer((128, 128), pow2_scales=True),
+                 "nvfp4_1x16": lambda: NVFP4Quantizer((1, 16))}[name]()
+    top = torch.finfo(torch.float16).max
+    g = torch.Generator().manual_seed(3)
+    x = ((torch.rand(128, 128, generator=g) - 0.5) * 2 * top).to(torch.float16)
+    x[:, ::16] = torch.where(torch.arange(128)[:, None] % 2 == 0, top, -top)  # every block holds +-65504
+    q = quantizer.quantize(x)
+    wide = q.dequantize(torch.float32)
+    if name in ("mxfp8_rceil", "fp8_1x128_pow2", "fp8_128x128_pow2"):
+        assert (wide.abs() > top).any(), "the case under test: codes that decode past fp16's range"
+    out = q.dequantize()
+    assert out.dtype == torch.float16 and torch.isfinite(out).all()
+    assert torch.equal(out, wide.clamp(-top, top).to(torch.float16))

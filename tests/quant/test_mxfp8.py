@@ -186,8 +186,19 @@ def test_columnwise_needs_rows_multiple_of_32():
 
 
 def test_integer_input_is_rejected():
-    with pytest.raises(TypeError, match="floating-point"):
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
         quantize_mxfp8(torch.ones(2, 32, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "fp8_1x128", "fp8_128x128", "nvfp4_1x16"])
+def test_float64_input_is_refused_not_rounded_twice(fmt):
+    """float64 -> fp32 -> the grid rounds twice: 17 + 1e-12 in a scale-1 MXFP8 block would become 16 (fp32
+    rounds it to 17, an E4M3 tie between 16 and 18, which goes to the even 16), not the nearest E4M3 value 18.
+    Every block format refuses float64, like the per-tensor casts."""
+    from tutorial_lib.quant.registry import make_quantizer
+
+    with pytest.raises(TypeError, match=r"float32, bfloat16 or float16 tensors, got torch\.float64"):
+        make_quantizer(fmt).quantize(torch.ones(128, 128, dtype=torch.float64))
 
 
 def test_bad_rounding_and_axis():
@@ -294,8 +305,8 @@ def test_from_buffers_checks_shapes():
 
 
 def test_auto_backend_sends_dtypes_the_kernel_lacks_to_the_reference(monkeypatch):
-    """backend="auto" on CUDA picks the kernel only for fp32/bf16/fp16: fp64 (copy_ from a float64 master,
-    a float64 model) goes to the reference instead of failing in the kernel's dtype check."""
+    """backend="auto" on CUDA picks the kernel only for fp32/bf16/fp16; fp64 reaches neither (refused by the
+    reference's own check: it would round twice), and copy_ from a float64 tensor rounds it to fp32 first."""
     import tutorial_lib.quant.mxfp8 as mx
 
     calls = []
@@ -307,10 +318,14 @@ def test_auto_backend_sends_dtypes_the_kernel_lacks_to_the_reference(monkeypatch
     monkeypatch.setattr(mx, "mxfp8_quantize", kernel)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # pretend: no GPU needed
     w = torch.randn(4, 64, generator=torch.Generator().manual_seed(5))
-    for dtype in (torch.bfloat16, torch.float64):
-        bufs = MXFP8Quantizer().quantize_buffers(w.to(dtype))
-        assert torch.equal(bufs["data"], quantize_mxfp8(w.to(dtype))[0])
+    bufs = MXFP8Quantizer().quantize_buffers(w.to(torch.bfloat16))
+    assert torch.equal(bufs["data"], quantize_mxfp8(w.to(torch.bfloat16))[0])
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        MXFP8Quantizer().quantize_buffers(w.to(torch.float64))
     assert calls == [torch.bfloat16]
+    q = MXFP8Quantizer().quantize(w)
+    q.copy_(w.to(torch.float64))  # copy_ takes any dtype: float64 is rounded to fp32, then quantized
+    assert torch.equal(q.raw_buffers()["data"], quantize_mxfp8(w)[0])
 
 
 @pytest.mark.parametrize("data_shape, scale_shape, axis", [

@@ -61,6 +61,7 @@ from tutorial_lib.quant.block import (
     to_blocks,
     to_e4m3_bytes,
 )
+from tutorial_lib.quant.per_tensor import round_saturating
 from tutorial_lib.quant.tensor import add_safe_global
 
 BLOCKWISE_BLOCKS = ((1, 128), (128, 128))
@@ -114,8 +115,9 @@ def quantize_fp8_blockwise(x: torch.Tensor, block=(1, 128), *, pow2_scales: bool
     """
     dims = _check_block(block)
     _check_backend(backend)
-    if not x.is_floating_point():
-        raise TypeError(f"FP8 blockwise quantizes floating-point tensors, got {x.dtype}")
+    if x.dtype not in SUPPORTED_DTYPES:  # float64 would be rounded to fp32 first, then to the grid: twice
+        raise TypeError(f"FP8 blockwise quantizes float32, bfloat16 or float16 tensors, got {x.dtype} (round float64 "
+                        "to float32 first if that is what you mean)")
     check_block_shape(x.shape, dims, what="FP8 blockwise")
     if _use_triton(x, backend):
         # 1x128 or 128x128: leading dims flattened into rows (tiles never straddle them: dim -2 % 128 == 0)
@@ -163,7 +165,7 @@ def dequantize_fp8_blockwise(data, scale_inv, block=(1, 128), *, dtype=torch.flo
         raise TypeError(f"blockwise data is uint8 and scale_inv fp32, got {data.dtype} and {scale_inv.dtype}")
     check_block_shape(data.shape, dims, what="FP8 blockwise")
     check_scale_shape(data.shape, scale_inv.shape, dims, what="FP8 blockwise")
-    return (e4m3_bytes_to_fp32(data) * expand_scales(scale_inv, dims)).to(dtype)
+    return round_saturating(e4m3_bytes_to_fp32(data) * expand_scales(scale_inv, dims), dtype)
 
 
 # ----------------------------------------------------------------------------- the subclasses

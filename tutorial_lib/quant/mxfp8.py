@@ -15,6 +15,8 @@ hardware also offers "rceil": the smallest power of two with ``amax / X <= 448``
 saturation, one binade less resolution for some blocks). Both are here. Both cap the exponent at
 119, the largest with ``448 * X`` finite in fp32: an rceil block whose amax exceeds 448 * 2**119 =
 1.75 * 2**127 (~2.98e38) saturates to it, as under floor, instead of decoding 256 * 2**120 to inf.
+Decoding into a narrower nominal dtype saturates at ITS largest value (the FP8 cast's own rule): fp16 values
+near 65504 get X = 2**8 under rceil and codes that round up to 256, i.e. 65536 -- decoded as 65504, not inf.
 
 Bad and special input (documented results):
   * last dim not a multiple of 32 -> ValueError naming the 32-element MX block;
@@ -51,6 +53,7 @@ from tutorial_lib.quant.block import (
     scale_shape,
     to_e4m3_bytes,
 )
+from tutorial_lib.quant.per_tensor import round_saturating
 from tutorial_lib.quant.tensor import add_safe_global
 
 __all__ = ["MX_BLOCK", "SCALE_ROUNDINGS", "MXFP8Quantizer", "MXFP8Tensor", "dequantize_mxfp8", "e8m0_to_fp32",
@@ -98,8 +101,9 @@ def quantize_mxfp8(x: torch.Tensor, *, axis: int = -1, rounding: str = "floor"):
     E8M0 codes with the blocked dim divided by 32 (rowwise ``[..., K/32]``, columnwise
     ``[..., M/32, K]``). This is THE reference the Triton kernel, tests and lessons share.
     """
-    if not x.is_floating_point():
-        raise TypeError(f"MXFP8 quantizes floating-point tensors, got {x.dtype}")
+    if x.dtype not in SUPPORTED_DTYPES:  # float64 would be rounded to fp32 first, then to the grid: twice
+        raise TypeError(f"MXFP8 quantizes float32, bfloat16 or float16 tensors, got {x.dtype} (round float64 "
+                        "to float32 first if that is what you mean)")
     if axis in (-1, x.dim() - 1):
         check_block_shape(x.shape, (MX_BLOCK,), what="MX")
         return _quantize_rowwise(x, rounding)
@@ -145,7 +149,7 @@ def dequantize_mxfp8(data: torch.Tensor, scale: torch.Tensor, *, axis: int = -1,
 
 def _dequantize_rowwise(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     s = e8m0_to_fp32(scale).repeat_interleave(MX_BLOCK, dim=-1)
-    return (e4m3_bytes_to_fp32(data) * s).to(dtype)
+    return round_saturating(e4m3_bytes_to_fp32(data) * s, dtype)  # fp16: 448 * 2**8 is past 65504
 
 
 # ----------------------------------------------------------------------------- the subclass

@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import torch
+from tutorial_kernels.fp8_args import SUPPORTED_DTYPES
 from tutorial_kernels.nvfp4_dequantize import NVFP4_DEQUANTIZE_DTYPES, nvfp4_dequantize
 
 from tutorial_lib.quant.block import (
@@ -53,7 +54,7 @@ from tutorial_lib.quant.block import (
     to_e4m3_bytes,
 )
 from tutorial_lib.quant.formats import decode, encode
-from tutorial_lib.quant.per_tensor import all_reduce_amax
+from tutorial_lib.quant.per_tensor import all_reduce_amax, round_saturating
 from tutorial_lib.quant.scale_group import ScaleGroupMixin
 from tutorial_lib.quant.tensor import add_safe_global
 
@@ -108,8 +109,9 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, global_amax: torch.Tensor 
     scale), or this tensor's own amax. THE reference shared by tests and lessons.
     """
     dims = _check_block(block)
-    if not x.is_floating_point():
-        raise TypeError(f"NVFP4 quantizes floating-point tensors, got {x.dtype}")
+    if x.dtype not in SUPPORTED_DTYPES:  # float64 would be rounded to fp32 first, then to the grid: twice
+        raise TypeError(f"NVFP4 quantizes float32, bfloat16 or float16 tensors, got {x.dtype} (round float64 "
+                        "to float32 first if that is what you mean)")
     check_block_shape(x.shape, dims, what="NVFP4")
     if global_scale_inv is not None:
         gsi = torch.as_tensor(global_scale_inv, dtype=torch.float32, device=x.device).reshape(())
@@ -137,7 +139,7 @@ def dequantize_nvfp4(data, scale, global_scale_inv, block=(1, 16), *, dtype=torc
     check_block_shape(values.shape, dims, what="NVFP4")
     check_scale_shape(values.shape, scale.shape, dims, what="NVFP4")
     denom = e4m3_bytes_to_fp32(scale) * global_scale_inv.to(torch.float32)
-    return (values * expand_scales(denom, dims)).to(dtype)
+    return round_saturating(values * expand_scales(denom, dims), dtype)
 
 
 # ----------------------------------------------------------------------------- the subclasses

@@ -440,6 +440,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) 
     hp = src.dequantize() if isinstance(src, QuantizedTensor) else src
     if hp.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         hp = hp.to(torch.float32)  # copy_ takes any dtype (fp64, integers, bool); quantizers take these three
+        # (a float64 value is rounded twice, to fp32 and then to the grid; quantizing float64 directly is refused)
     if hp.shape != dst.shape:
         hp = hp.expand(dst.shape)  # copy_ broadcasts src to dst; expand raises a clear error otherwise
     dst._quantize_from(hp.to(dst.device, non_blocking=non_blocking))
