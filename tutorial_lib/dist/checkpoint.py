@@ -37,7 +37,8 @@ Re-exported here so one import serves a training script: from
 :func:`uninitialized_memory_as_nan`, :func:`default_safe_globals_only`,
 :class:`SafeFileSystemReader`, :class:`UnsafeCheckpointError`; from
 :mod:`tutorial_lib.dist.checkpoint_dirs` :func:`checkpoint_dir`, :class:`CheckpointDir`,
-:func:`shared_checkpoint_dir` (unique, removed on success and failure).
+:func:`shared_checkpoint_dir` (unique, removed on success and failure); from
+:mod:`tutorial_lib.dist.checkpoint_load_planner` :class:`QuantizedLoadPlanner` and its errors.
 
 Example::
 
@@ -54,18 +55,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import io
 import os
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.planner import ReadItem, WriteItem, WriteItemType
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
@@ -76,15 +74,13 @@ from tutorial_lib.dist.checkpoint_checks import (
     UnsafeCheckpointError,
     _flatten,
     _raise_if_nonfinite,
-    _same,
     default_safe_globals_only,
-    load_bytes_weights_only,
     mismatched_keys,
     nonfinite_keys,
     uninitialized_memory_as_nan,
 )
 from tutorial_lib.dist.checkpoint_dirs import CheckpointDir, checkpoint_dir, shared_checkpoint_dir
-from tutorial_lib.dist.extra_state import _is_delayed
+from tutorial_lib.dist.checkpoint_load_planner import QuantizedLoadPlanner, RequantizeOnLoadError, SharedScaleError
 from tutorial_lib.quant.serialization import quantized_tensor_globals
 from tutorial_lib.quant.tensor import QuantizedTensor
 
@@ -116,14 +112,6 @@ METADATA_FILE = ".metadata"
 
 class CheckpointExistsError(FileExistsError):
     """A checkpoint already lives at the path: refusing to mix files of two runs."""
-
-
-class RequantizeOnLoadError(ValueError):
-    """Loading would requantize a quantized target (not a bit-exact restore)."""
-
-
-class SharedScaleError(ValueError):
-    """Chunks of one per-tensor-scaled tensor carry different scales (the shared-scale invariant is broken)."""
 
 
 # ----------------------------------------------------------------------------- save side
@@ -306,124 +294,6 @@ def _unwrapped_errors():
         raise
 
 
-class _RefuseRequantize:
-    """A quantizer for load staging tensors: a raw copy never calls it, a requantizing copy raises."""
-
-    def __init__(self, fqn: str, target: QuantizedTensor):
-        self.fqn = fqn
-        self.what = f"{type(target).__name__}({', '.join(f'{k}={v!r}' for k, v in target.meta().items())})"
-
-    def quantize_into(self, dst, hp):
-        raise RequantizeOnLoadError(
-            f"{self.fqn!r}: the checkpoint does not hold a {self.what} chunk (it holds a plain tensor, e.g. "
-            "dequantized by a blocking async stager, or another format), so loading it into the model's "
-            f"{self.what} would REQUANTIZE it: not a bit-exact restore. Pass requantize='allow' to accept that "
-            "(e.g. to initialise a quantized model from high-precision weights)."
-        )
-
-    def quantize(self, hp):
-        return self.quantize_into(None, hp)
-
-
-class _DeferRequantize:
-    """``requantize="allow"``: a staging tensor's quantizer that keeps the chunk's high-precision values
-    (a raw copy never calls it); :meth:`QuantizedLoadPlanner.commit_tensor` then copies them into the
-    target, which requantizes with the target's own quantizer or scale."""
-
-    def __init__(self):
-        self.values = None
-
-    def quantize_into(self, dst, hp):
-        self.values = hp
-
-    def quantize(self, hp):
-        return self.quantize_into(None, hp)
-
-
-class QuantizedLoadPlanner(DefaultLoadPlanner):
-    """DCP load planner that restores quantized chunks by raw copy, for any resharding.
-
-    ``requantize="error"`` (default): a chunk that is not the target's class and meta raises
-    :class:`RequantizeOnLoadError`. ``"allow"``: such a chunk is copied into ``target[view]`` (DCP's
-    default, which requantizes through the target's quantizer or scale) -- except into a delayed-scaling
-    target, whose scale comes from its history, not from the loaded values (refused); a chunk of the
-    target's class and meta is still restored by raw copy, as with ``"error"``.
-    """
-
-    def __init__(self, *, requantize: str = "error", **kwargs):
-        if requantize not in ("error", "allow"):
-            raise ValueError(f"requantize must be 'error' or 'allow', got {requantize!r}")
-        super().__init__(**kwargs)
-        self.requantize = requantize
-        self._shared_set: set[str] = set()
-        self._requantized: set[str] = set()
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        """A non-tensor leaf (optimizer ``param_groups`` values, ...): DCP's default unpickles it with
-        ``weights_only=False``, so any checkpoint could run code here. Ours refuses that
-        (:func:`load_bytes_weights_only`); where the value lands is DCP's own logic."""
-        fqn = read_item.dest_index.fqn
-        value = load_bytes_weights_only(value, fqn)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], value)
-        else:
-            self.state_dict[fqn] = value
-
-    def resolve_tensor(self, read_item: ReadItem):
-        target = self.lookup_tensor(read_item.dest_index)
-        if not isinstance(target, QuantizedTensor):
-            return self.transform_tensor(read_item, target)
-        # A fresh tensor of the chunk's shape, not a view of the target: copy_ from the chunk is then
-        # a raw copy of bytes AND scale (a partial view would keep the target's scale and requantize).
-        staging = target.new_empty(tuple(read_item.lengths), device="cpu")
-        if type(staging) is not type(target):
-            raise TypeError(
-                f"{read_item.dest_index.fqn!r}: {type(target).__name__}.new_empty returned a "
-                f"{type(staging).__name__}; it must return the same subclass (DCP's async staging allocates with "
-                "new_empty too, and writes uninitialised memory when it gets a plain tensor)"
-            )
-        staging.quantizer = (_DeferRequantize() if self.requantize == "allow"
-                             else _RefuseRequantize(read_item.dest_index.fqn, target))
-        return staging
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        target = self.lookup_tensor(read_item.dest_index)
-        if not isinstance(target, QuantizedTensor):
-            return
-        fqn = read_item.dest_index.fqn
-        view = narrow_tensor_by_index(target, read_item.dest_offsets, read_item.lengths)
-        values = getattr(tensor.quantizer, "values", None)  # "allow", and the chunk was not a raw copy
-        if (values is not None and fqn in self._shared_set) or (values is None and fqn in self._requantized):
-            raise RequantizeOnLoadError(f"{fqn!r}: some checkpoint chunks are of the target's format and some are "
-                                        "not; refusing to mix raw copies and requantization in one tensor")
-        if values is not None:
-            if _is_delayed(getattr(target, "quantizer", None)):  # its scale comes from a history
-                raise RequantizeOnLoadError(
-                    f"{fqn!r}: requantize='allow' into a delayed-scaling weight would cast the loaded values with "
-                    "the scale of the model's amax history (from its own past casts, not from these values): "
-                    "values beyond the format's range at that scale saturate without an error. Load into a model "
-                    "whose weights use current scaling, or into an unquantized model and quantize it afterwards.")
-            self._requantized.add(fqn)
-            view.copy_(values.to(view.device))  # DCP's default: requantizes with the target's quantizer or scale
-            return
-        first = fqn not in self._shared_set
-        self._shared_set.add(fqn)
-        dst_bufs, src_bufs = target.raw_buffers(), tensor.raw_buffers()
-        for name, dst in dst_bufs.items():
-            if dst.dim() != 0:
-                continue  # element/block-aligned buffers travel with the view below
-            # A 0-d buffer is shared by every element (per-tensor scale): set it once, then every
-            # further chunk must agree -- that invariant is what makes the raw byte copy valid.
-            if first:
-                dst.copy_(src_bufs[name])
-            elif not _same(dst, src_bufs[name]):  # bitwise: a NaN scale on every shard agrees (the NaN check names it)
-                raise SharedScaleError(
-                    f"{fqn!r}: checkpoint chunks disagree on the shared {name!r} ({dst.item()!r} vs "
-                    f"{src_bufs[name].item()!r}); a per-tensor-scaled tensor must have ONE scale on every shard"
-                )
-        view.copy_(tensor.to(view.device))  # same class, meta and scale: raw bytes
-
-
 def load_checkpoint(state_dict: dict, path: str | os.PathLike, *, check_finite: bool = True,
                     requantize: str = "error", process_group=None) -> dict:
     """Load a DCP checkpoint IN PLACE into ``state_dict`` (every rank); returns ``state_dict``.
@@ -431,8 +301,10 @@ def load_checkpoint(state_dict: dict, path: str | os.PathLike, *, check_finite: 
     Adds :func:`chunk_safe_globals` to the safe globals (DCP reads every chunk with
     ``torch.load(weights_only=True)``; importing ``tutorial_lib`` has usually registered more), restores
     quantized chunks with
-    :class:`QuantizedLoadPlanner`, then (``check_finite``) raises
-    :class:`NonFiniteCheckpointError` naming every key that holds NaN/Inf on any rank.
+    :class:`QuantizedLoadPlanner` (``requantize="allow"``: each target requantized once, after the load), then
+    (``check_finite``) raises :class:`NonFiniteCheckpointError` naming every key that holds NaN/Inf on any rank.
+    That check reads what was loaded: when it raises, ``state_dict`` already holds those values (load a good
+    checkpoint into it before using the model again).
 
     Runs no code from the checkpoint: ``.metadata`` goes through :class:`SafeFileSystemReader`, non-tensor
     leaves through ``weights_only=True``; an item that would need anything else raises
@@ -452,9 +324,11 @@ def load_checkpoint(state_dict: dict, path: str | os.PathLike, *, check_finite: 
         reader = SafeFileSystemReader(path)
         # Read once up front: inside dcp.load a refused .metadata is only logged, then other files are tried.
         reader.read_metadata()
+    planner = QuantizedLoadPlanner(requantize=requantize)
     with _unwrapped_errors(), _single_process_quiet(no_dist):
-        dcp.load(state_dict, checkpoint_id=path, storage_reader=reader,
-                 planner=QuantizedLoadPlanner(requantize=requantize), process_group=process_group, no_dist=no_dist)
+        dcp.load(state_dict, checkpoint_id=path, storage_reader=reader, planner=planner,
+                 process_group=process_group, no_dist=no_dist)
+    planner.requantize_deferred(None if no_dist else process_group, no_dist=no_dist)  # "allow": once per tensor
     loaded = _resolved(state_dict)
     if not no_dist:
         _share_scales_with_empty_shards(loaded, process_group)
