@@ -15,7 +15,8 @@ Two details that bite: ``full_tensor()`` is called on a DTensor built from the *
 (the quantized DTensor's own ``full_tensor()`` all-gathers the quantized local tensor, an op with
 no quantized handler: it runs through the dequantize fallback -- a warning, or
 ``QuantizedFallbackError`` under ``strict_dispatch()``); and every rank must take part in every
-gather, so the loop runs on all ranks and only rank 0 writes.
+gather, so the loop runs on all ranks and only rank 0 writes (and keeps the gathered values: the other
+ranks drop each one as soon as its gather is done).
 
 Example::
 
@@ -62,8 +63,13 @@ def _master(optimizer, p):
     return optimizer.state.get(p, {}).get("master_param")
 
 
-def fp32_values(model: nn.Module, optimizer=None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Full fp32 tensors by state-dict key and where each came from. Collective: call on every rank."""
+def fp32_values(model: nn.Module, optimizer=None, *, keep: bool = True) -> tuple[dict[str, torch.Tensor],
+                                                                                 dict[str, str]]:
+    """Full fp32 tensors by state-dict key and where each came from. Collective: call on every rank.
+
+    ``keep=False``: this rank takes part in every gather but keeps no value (an empty dict; the sources all the
+    same) -- one full tensor at a time on its device, none in its host memory: what the ranks that do not
+    write an export pass."""
     params = dict(model.named_parameters())
     values, sources = {}, {}
     for key, value in model.state_dict().items():
@@ -79,7 +85,9 @@ def fp32_values(model: nn.Module, optimizer=None) -> tuple[dict[str, torch.Tenso
             local, src = local_tensor(value).float(), "fp32"
         else:
             local, src = local_tensor(value), "as-is"  # integer buffers (counters): exported unchanged
-        values[key] = _full(local.detach().contiguous(), value).cpu()
+        full = _full(local.detach().contiguous(), value)  # a collective: every rank, every key
+        if keep:
+            values[key] = full.cpu()
         sources[key] = src
     return values, sources
 
@@ -91,10 +99,11 @@ def export_fp32_safetensors(model: nn.Module, path: str | os.PathLike, optimizer
 
     Returns ``{key: "master" | "dequantized" | "fp32" | "as-is"}`` on every rank.
     """
-    values, sources = fp32_values(model, optimizer)
     distributed = dist.is_available() and dist.is_initialized()
+    writer = not distributed or dist.get_rank(process_group) == 0
+    values, sources = fp32_values(model, optimizer, keep=writer)  # only the writer holds the fp32 model on the host
     error = tmp = None
-    if not distributed or dist.get_rank(process_group) == 0:
+    if writer:
         try:
             meta = {"format": "pt", "exported_by": "tutorial_lib.dist.export", **(metadata or {})}
             tmp = f"{os.fspath(path)}.part{os.getpid()}"
