@@ -8,7 +8,6 @@ shard took: at 3 ranks rank 1's rows span both saved chunks and a 2-row weight l
 Requantizing chunk by chunk rounded the first chunk's values again at the second chunk's scale, and issued one
 amax all-reduce per chunk: a rank with two chunks waited in an all-reduce the others never joined."""
 
-import os
 
 import pytest
 import torch

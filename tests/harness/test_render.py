@@ -35,6 +35,14 @@ def test_readme_links_exactly_the_rendered_copies():
         "`python -m tutorial_lib.harness.render --check` lists them; the render command rewrites the links")
 
 
+def test_readme_says_where_the_rendered_copies_ran():
+    text = render.README.read_text(encoding="utf-8")
+    assert "<!-- rendered-runs -->" in text
+    assert render.readme_with_runs(text, render.rendered_runs()) == text, (
+        "README.md's sentence on where the rendered copies ran must match their metadata: the render command "
+        f"rewrites it; now: {render.rendered_runs()}")
+
+
 # --- the renderer, on synthetic lessons --------------------------------------------------------
 
 

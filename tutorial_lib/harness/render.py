@@ -378,9 +378,34 @@ def readme_with_links(text: str, rendered: list[str], prefix: str = "docs/render
     return "\n".join(out)
 
 
+_RUNS_BLOCK = re.compile(r"(<!-- rendered-runs -->).*?(<!-- /rendered-runs -->)", re.S)
+
+
+def rendered_runs(directory: Path = RENDERED_DIR) -> str:
+    """Where the rendered copies ran, read from their metadata: per machine and versions, its dates and lessons."""
+    groups: dict[tuple, list] = {}
+    for path in rendered_copies(directory):
+        meta = nbformat.read(path, as_version=4).metadata.get(METADATA_KEY, {})
+        key = (meta.get("machine", "unknown machine"), meta.get("torch", "?"), meta.get("triton", "?"))
+        groups.setdefault(key, []).append((path.name[:2], meta.get("date", "?"),
+                                           meta.get("parameters", {}).get("quick", False)))
+    clauses = []
+    for (machine, torch_version, triton_version), runs in sorted(groups.items()):
+        lessons = ", ".join(n + (" (quick)" if quick else "") for n, _, quick in sorted(runs))
+        dates = ", ".join(sorted({d for _, d, _ in runs}))
+        clauses.append(f"{machine} with torch {torch_version} and Triton {triton_version} ({dates}): lessons {lessons}")
+    return "; ".join(clauses)
+
+
+def readme_with_runs(text: str, runs: str) -> str:
+    """``text`` with the README's ``<!-- rendered-runs -->`` block holding ``runs`` (:func:`rendered_runs`)."""
+    return _RUNS_BLOCK.sub(lambda m: f"{m.group(1)}{runs}{m.group(2)}", text)
+
+
 def update_readme_links(directory: Path = RENDERED_DIR, readme: Path | None = None,
                         lock: Path | None = None) -> list[str]:
-    """Rewrite ``readme``'s links (:func:`readme_with_links`) to the rendered copies now in ``directory``; return
+    """Rewrite ``readme``'s links (:func:`readme_with_links`) to the rendered copies now in ``directory``, and the
+    sentence saying where they ran (:func:`rendered_runs`); return
     their names. Renders of other lessons finishing at the same time each update it in turn, holding ``lock``
     from listing the copies to replacing the file whole, so none loses another's link."""
     readme, lock = readme or README, lock or README_LOCK
@@ -390,7 +415,8 @@ def update_readme_links(directory: Path = RENDERED_DIR, readme: Path | None = No
         if fcntl is not None:
             fcntl.flock(fd, fcntl.LOCK_EX)  # waits for the render updating it now; released by os.close
         names = [p.name for p in rendered_copies(directory)]
-        write_atomically(readme, readme_with_links(readme.read_text(encoding="utf-8"), names))
+        text = readme_with_links(readme.read_text(encoding="utf-8"), names)
+        write_atomically(readme, readme_with_runs(text, rendered_runs(directory)))
     finally:
         os.close(fd)
     return names
