@@ -3,8 +3,14 @@
 import pytest
 import torch
 
-from tutorial_lib.lessons.block_scaled_formats import QuantizationError, quantization_error, sample_weights
-from tutorial_lib.quant.registry import BLOCK_FORMAT_NAMES
+from tutorial_lib.lessons.block_scaled_formats import (
+    QuantizationError,
+    fp4_round_trip,
+    quantization_error,
+    sample_weights,
+)
+from tutorial_lib.quant.formats import all_values
+from tutorial_lib.quant.registry import BLOCK_FORMAT_NAMES, make_quantizer
 
 SHAPE = (256, 512)
 BITS = {  # element bits + scale bits per element (+ a 32-bit global scale for NVFP4)
@@ -59,3 +65,45 @@ def test_options_reach_the_quantizer():
     assert rceil.rel_rmse < floor.rel_rmse  # rceil never saturates a block's largest value
     with pytest.raises(ValueError, match="unknown format"):
         quantization_error("mxfp8 1x32", w)
+
+
+@pytest.mark.parametrize("kind", ("gaussian", "outliers"))
+def test_fp4_round_trip_with_e4m3_scales_per_16_is_nvfp4(kind):
+    w = sample_weights(kind, SHAPE, seed=4)
+    nvfp4 = make_quantizer("nvfp4_1x16").quantize(w).dequantize(torch.float32)
+    assert torch.equal(fp4_round_trip(w, 16, "e4m3"), nvfp4)
+
+
+def test_fp4_round_trip_e8m0_follows_the_ocp_mx_rule():
+    """Per block: X = 2**(floor(log2 amax) - 2), elements E2M1(x / X) saturated at 6, decoded times X."""
+    w = sample_weights("outliers", SHAPE, seed=5)
+    back = fp4_round_trip(w, 32, "e8m0").reshape(-1, 32)
+    xb = w.reshape(-1, 32).double()
+    amax = xb.abs().amax(1, keepdim=True)
+    scale = 2.0 ** (torch.floor(torch.log2(amax)) - 2)
+    y = (xb / scale).clamp(-6, 6)
+    grid = all_values("e2m1").double()
+    nearest = grid[(y.unsqueeze(-1) - grid).abs().argmin(-1)]  # nearest grid value (random data: no exact ties)
+    expected = nearest * scale
+    assert torch.equal(back.double(), expected)
+    assert fp4_round_trip(torch.zeros(2, 32), 32, "e8m0").eq(0).all()
+    with pytest.raises(ValueError, match="scale must be"):
+        fp4_round_trip(w, 32, "fp32")
+    with pytest.raises(ValueError, match="rounding must be"):
+        fp4_round_trip(w, 32, "e8m0", rounding="ceil")
+
+
+def test_fp4_round_trip_e8m0_rceil_never_clips_and_uses_at_most_one_binade_more():
+    w = sample_weights("outliers", SHAPE, seed=6)
+    xb = w.reshape(-1, 32)
+    floor, rceil = (fp4_round_trip(w, 32, "e8m0", rounding=r).reshape(-1, 32) for r in ("floor", "rceil"))
+    amax = xb.abs().amax(1)
+    top_floor = floor.abs().amax(1)
+    top_rceil = rceil.abs().amax(1)
+    # floor clips every block whose amax has a mantissa above 1.5 (amax / X > 6); rceil moves those one binade up
+    mantissa = amax / 2.0 ** torch.floor(torch.log2(amax))
+    clips = mantissa > 1.5
+    assert clips.any() and (~clips).any()
+    assert torch.equal(floor[~clips], rceil[~clips])
+    assert bool((top_floor[clips] < amax[clips]).all())
+    assert bool((top_rceil <= amax * (1 + 2.0**-1)).all())  # rounding to E2M1 is within half an ULP (2**-2 relative)

@@ -19,6 +19,13 @@ Example::
         err = quantization_error(name, w)
         print(f"{get_format_info(name).label:16} {err.flushed:.4f} flushed, {err.bits_per_element:.3f} bits")
     quantization_error("mxfp8", w, rounding="rceil").rel_rmse    # options go to the quantizer
+
+:func:`fp4_round_trip` emulates E2M1 elements with either kind of block scale and any block size (the
+registry's NVFP4 has E4M3 scales per 16 only), so the lesson can tell the scale type's effect from the
+block size's::
+
+    fp4_round_trip(w, 32, "e8m0")    # MXFP4-style: a power-of-two scale per 32 elements
+    fp4_round_trip(w, 16, "e4m3")    # NVFP4 1x16: equal to make_quantizer("nvfp4_1x16") round trips
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ import dataclasses
 
 import torch
 
+from tutorial_lib.quant.formats import FORMATS, decode, encode
+from tutorial_lib.quant.nvfp4 import nvfp4_global_scale_inv, tensor_amax
 from tutorial_lib.quant.registry import make_quantizer
 
-__all__ = ["QuantizationError", "quantization_error", "sample_weights"]
+__all__ = ["QuantizationError", "fp4_round_trip", "quantization_error", "sample_weights"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,3 +80,38 @@ def quantization_error(name: str, x: torch.Tensor, **options) -> QuantizationErr
         flushed=((xh == 0) & nz).double().mean().item() / max(nz.double().mean().item(), 1e-30),
         bits_per_element=8 * q.quantized_nbytes() / x.numel(),
     )
+
+
+def fp4_round_trip(x: torch.Tensor, block: int, scale: str, rounding: str = "floor") -> torch.Tensor:
+    """Quantize finite ``x`` to E2M1 elements with one scale per ``block`` consecutive elements of the last
+    dim, and dequantize (fp32). A scratch emulation for comparing scale types and block sizes.
+
+    * ``scale="e8m0"``: a power of two by the OCP MX rule, ``X = 2**(floor(log2 amax) - 2)`` (E2M1's largest
+      value is 6 = 1.5 * 2**2), so a block's largest value lands in [4, 8) and one above 6 clips to 6:
+      MXFP4 for ``block=32``. ``rounding="rceil"`` takes the smallest power of two with ``amax / X <= 6``
+      instead (one binade up when amax's mantissa exceeds 1.5): nothing clips, the largest value lands in (3, 6].
+      (``rounding`` applies to E8M0 scales only.)
+    * ``scale="e4m3"``: NVFP4's two levels, ``e4m3(block amax / 6 / g) * g`` with the per-tensor
+      ``g = amax(x) / (448 * 6)``; for ``block=16`` the values equal NVFP4 1x16's round trip exactly.
+    """
+    if scale not in ("e8m0", "e4m3"):
+        raise ValueError(f"scale must be 'e8m0' or 'e4m3', got {scale!r}")
+    if rounding not in ("floor", "rceil"):
+        raise ValueError(f"rounding must be 'floor' or 'rceil', got {rounding!r}")
+    xb = x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    amax_b = xb.abs().amax(-1, keepdim=True)
+    e2m1_max = FORMATS["e2m1"].max
+    if scale == "e8m0":
+        fraction, exponent = torch.frexp(amax_b)  # amax = fraction * 2**exponent, fraction in [0.5, 1)
+        exponent = exponent - 1 - 2  # floor(log2 amax) - 2
+        if rounding == "rceil":
+            exponent = exponent + (fraction > 0.75).to(exponent.dtype)  # mantissa 2 * fraction above 1.5
+        s = torch.ldexp(torch.ones_like(amax_b), exponent.clamp(-127, 127).to(torch.float32))
+    else:
+        g = nvfp4_global_scale_inv(tensor_amax(x))
+        # true divisions, as NVFP4's quantize (CUDA's ``tensor / python_scalar`` multiplies by a rounded reciprocal)
+        s = decode(encode(amax_b / torch.full_like(amax_b, e2m1_max) / g, "e4m3", saturate=True), "e4m3") * g
+    ok = s > 0
+    y = torch.where(ok, xb / torch.where(ok, s, torch.ones_like(s)), torch.zeros_like(xb))
+    back = decode(encode(y.clamp(-e2m1_max, e2m1_max), "e2m1"), "e2m1") * s
+    return back.reshape(x.shape)

@@ -170,7 +170,9 @@ def encode(x: torch.Tensor, fmt: str, saturate: bool | None = None, *, check_val
     * E8M0 (unsigned power of two, as torch's ``float8_e8m0fnu`` cast): the sign is ignored,
       ``|x|`` rounds to the nearest power of two with ties *up* for normal inputs (torch's rule:
       the implicit leading 1 is the LSB of the RNE), zero and tiny values give 2**-127 (code 0),
-      inf/NaN give NaN (0xFF); above 2**127 gives NaN, or 2**127 with ``saturate=True``.
+      NaN gives NaN (0xFF). At the top the same rounding applies: ``|x|`` in (2**127, 1.5 * 2**127) rounds
+      down to 2**127 (code 254); from 1.5 * 2**127 up it rounds past 2**127 and, like inf, gives NaN (0xFF),
+      or 2**127 with ``saturate=True``.
     * E2M1 (no inf, no NaN): always saturates to +-6; a NaN input raises ``ValueError`` -- a check that
       reads the values back to the host (a device sync); ``check_values=False`` skips it for callers that
       never pass NaN (NVFP4's quantize zeroes the elements of a non-finite block first); a NaN then
