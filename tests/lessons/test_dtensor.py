@@ -136,9 +136,11 @@ def test_models_with_the_same_seed_are_identical():
 def lesson05(launch_device):
     device = launch_device(2)  # CPU in CI; 2 GPUs where present
     calls = [(db.placements_demo, {"rows": 4, "cols": 6}), (db.redistribute_demo, {}),
-             (db.quantized_dtensor_demo, {"rows": 8, "cols": 16}), (db.init_pitfall_demo, {"dim": 8, "hidden": 6})]
+             (db.quantized_dtensor_demo, {"rows": 8, "cols": 16}), (db.init_pitfall_demo, {"dim": 8, "hidden": 6}),
+             (db.uneven_from_local_demo, {"cols": 4}), (db.scatter_dispatch_demo, {})]
     ranks = launch(run_sequence, world_size=2, device=device, args=(calls,), timeout=240, echo=False)
-    return [dict(zip(["placements", "redistribute", "quantized", "pitfall"], r)) for r in ranks]
+    names = ["placements", "redistribute", "quantized", "pitfall", "from_local", "scatter"]
+    return [dict(zip(names, r)) for r in ranks]
 
 
 @pytest.mark.distributed
@@ -199,6 +201,35 @@ def test_identical_shards_pitfall_and_fix(lesson05):
         assert not torch.equal(single[:3], single[3:])
         assert torch.equal(p.fixed_full, ref)
         assert p.all_params_equal_reference
+
+
+@pytest.mark.distributed
+def test_uneven_from_local_needs_shape_and_uneven_view_raises(lesson05):
+    for rank, res in enumerate(lesson05):
+        u = res["from_local"]
+        assert u.rank == rank and u.local_rows == [2, 1][rank]
+        # without shape=, from_local assumes every rank holds as many rows as this one: 2 x 2 vs 1 x 2
+        assert u.shape_without == [(4, 4), (2, 4)][rank]
+        assert u.shape_with == (3, 4) and u.with_full_equal
+        assert u.even_view == "[Shard(dim=0)]" and u.even_view_full_equal
+        assert u.uneven_view_error.startswith("Cannot flatten unevenly sharded tensor")
+
+
+@pytest.mark.distributed
+def test_distribute_tensor_scatter_is_dispatched_only_through_its_output(lesson05):
+    for rank, res in enumerate(lesson05):
+        s = res["scatter"]
+        assert s.rank == rank
+        assert "Tensor[] output_tensors, Tensor[][] input_tensors" in s.scatter_schema
+        # torch 2.13's Shard._shard_tensor: detach, split, empty_like for the output, then the scatter --
+        # a dispatched op, reaching the subclass through its output tensor
+        ops = s.distribute_ops
+        assert ops[:4] == ["aten.detach.default", "aten.split.Tensor", "aten.empty_like.default",
+                           "c10d.scatter_.default"], ops
+        assert s.distribute_local_equal
+        # a plain output and subclass inputs (a Tensor[][]): the dispatcher never sees the subclass
+        assert s.plain_output_ops == [] and s.plain_output_equal
+        assert s.quantized_empty_like == "Tensor"  # our quantized tensors' empty_like: a PLAIN tensor
 
 
 def test_record_quantized_dispatch_restores_the_dispatcher():

@@ -39,3 +39,17 @@ def test_the_notebook_uses_public_names_only():
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
     shown = re.findall(r"getsource\(([\w.]+)\)", code)
     assert shown and not [s for s in shown if s.rsplit(".", 1)[-1].startswith("_")], shown
+
+
+def test_resident_bytes_count_storages_so_a_short_shard_counts_its_padded_rows():
+    import torch
+    import torch.nn as nn
+
+    from tutorial_lib.quant.float8 import CurrentScaling
+
+    model = nn.Module()
+    padded = torch.zeros(19, 24)  # FSDP2's ceil(37 / 2) rows; the short rank's 18-row shard is a view into it
+    model.plain = nn.Parameter(padded[:18])
+    q = CurrentScaling("e4m3").quantize(torch.randn(19, 24))
+    model.fp8 = nn.Parameter(q[:18], requires_grad=False)  # a narrowed Float8Tensor: a view of its 19-row codes
+    assert lesson._resident_bytes(model) == 19 * 24 * 4 + (19 * 24 + 4)  # fp32 rows + FP8 codes + scale_inv

@@ -31,6 +31,14 @@ def test_fallback_view_costs(fmt):
         assert costs.copy_max_rel_err == 0.0
     else:  # fp32 scales: the bf16 copy is rounded -- silently different from the weight
         assert 0 < costs.copy_max_rel_err <= 2.0**-8
+    # per element: one RNE rounding of the fp32 value to bf16 (8 significant bits) errs by <= half an ulp,
+    # i.e. <= 2**-8 of the element's magnitude
+    exact = q.dequantize(torch.float32)
+    assert ((q.dequantize().float() - exact).abs() <= 2.0**-8 * exact.abs()).all()
+    # each layout's bytes: codes + one scale per block (+ NVFP4's fp32 global scale)
+    per_elem = {"mxfp8": 1 + 1 / 32, "fp8_1x128": 1 + 4 / 128, "fp8_128x128": 1 + 4 / 128**2,
+                "nvfp4_1x16": 0.5 + 1 / 16, "nvfp4_16x16": 0.5 + 1 / 256}[fmt]
+    assert costs.quantized_nbytes == q.numel() * per_elem + (4 if fmt.startswith("nvfp4") else 0)
     assert get_view_policy() == "strict"
 
 

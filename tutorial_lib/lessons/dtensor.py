@@ -17,6 +17,11 @@ second step lands in *its* ``__torch_dispatch__``: ops in its table (views, ``cl
     dt.t()  ->  DTensor: Shard(0) -> Shard(1)  ->  Float8Tensor: aten.t handler (still FP8)
     dt * 2  ->  DTensor: same placements       ->  Float8Tensor: fallback (plain result)
 
+Two demos look at the edges: :func:`uneven_from_local_demo` (``from_local`` of uneven shards needs
+``shape=``/``stride=``; ``view(-1)`` of uneven row shards raises) and :func:`scatter_dispatch_demo` (why
+``distribute_tensor`` cannot scatter quantized shards: its output comes from ``empty_like``, and the
+dispatcher finds subclasses in the scatter's outputs, not in its ``Tensor[][]`` inputs).
+
 Each ``*_demo`` function runs on every rank (:func:`tutorial_lib.dist.launcher.launch`) and
 returns a dataclass of plain values and CPU tensors for the notebook to print, plot and check.
 
@@ -43,6 +48,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from tutorial_lib.dist.mesh import world_mesh
 from tutorial_lib.models import BlockMLP, counter_uniform, naive_reset_parameters, shard_rows
@@ -56,9 +62,12 @@ __all__ = [
     "LocalShard",
     "PartialResult",
     "PlacementsResult",
+    "ProbeTensor",
     "QuantizedDTensorResult",
     "RedistributeResult",
     "Redistribution",
+    "ScatterDispatchResult",
+    "UnevenFromLocalResult",
     "UnevenResult",
     "comm_counts",
     "init_pitfall_demo",
@@ -66,6 +75,8 @@ __all__ = [
     "quantized_dtensor_demo",
     "record_quantized_dispatch",
     "redistribute_demo",
+    "scatter_dispatch_demo",
+    "uneven_from_local_demo",
 ]
 
 
@@ -98,6 +109,33 @@ class UnevenResult:
     rows: int  # rows of this rank's local tensor
     expected: tuple[int, int]  # shard_rows(): this rank's row range by torch.chunk
     full_equal: bool  # full_tensor() equals the original tensor
+
+
+@dataclasses.dataclass
+class UnevenFromLocalResult:
+    """:func:`uneven_from_local_demo` on one rank: ``from_local`` of uneven row shards, and ``view(-1)``."""
+
+    rank: int  # this rank
+    local_rows: int  # rows of this rank's shard of the (world_size + 1)-row tensor
+    shape_without: tuple[int, ...]  # global shape from_local computed without shape=/stride= (local rows x ws)
+    shape_with: tuple[int, ...]  # global shape with shape= and stride= passed
+    with_full_equal: bool  # full_tensor() of the DTensor built with shape= rebuilt the tensor
+    even_view: str  # placements of view(-1) of an evenly row-sharded DTensor
+    even_view_full_equal: bool  # that flat DTensor's full_tensor() is the flattened tensor
+    uneven_view_error: str | None  # what view(-1) of the uneven DTensor raised (None: it did not raise)
+
+
+@dataclasses.dataclass
+class ScatterDispatchResult:
+    """:func:`scatter_dispatch_demo` on one rank: which ops of ``distribute_tensor``'s scatter reach a subclass."""
+
+    rank: int  # this rank
+    scatter_schema: str  # c10d.scatter_'s schema: outputs Tensor[], inputs Tensor[][]
+    distribute_ops: list[str]  # ops that reached ProbeTensor's __torch_dispatch__ in distribute_tensor(probe)
+    distribute_local_equal: bool  # the scattered local shard holds this rank's rows
+    plain_output_ops: list[str]  # ops that reached it in scatter(plain output, [probes]): none
+    plain_output_equal: bool  # that scatter still delivered the rows (gloo read the probes' storage)
+    quantized_empty_like: str  # type of torch.empty_like(Float8Tensor): what _shard_tensor's output would be
 
 
 @dataclasses.dataclass
@@ -194,6 +232,26 @@ def record_quantized_dispatch() -> Iterator[list[str]]:
         QuantizedTensor.__torch_dispatch__ = original
 
 
+class ProbeTensor(torch.Tensor):
+    """A tensor subclass WITH storage (it aliases ``inner``) that appends the name of every op reaching its
+    ``__torch_dispatch__`` to ``log``, then runs the op on the plain tensors and wraps tensor results."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # ops go straight to dispatch
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor, log: list[str]):
+        t = torch.Tensor._make_subclass(cls, inner)
+        t.inner, t.log = inner, log
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        log = next(t.log for t in tree_leaves((args, kwargs)) if isinstance(t, cls))
+        log.append(str(func))
+        args, kwargs = tree_map_only(cls, lambda t: t.inner, (args, kwargs or {}))
+        return tree_map_only(torch.Tensor, lambda t: cls(t, log), func(*args, **kwargs))
+
+
 # ----------------------------------------------------------------------------- rank functions
 
 
@@ -220,6 +278,44 @@ def placements_demo(rows: int = 4, cols: int = 6) -> PlacementsResult:
                             uneven=uneven)
 
 
+def uneven_from_local_demo(cols: int = 4) -> UnevenFromLocalResult:
+    """``DTensor.from_local`` of uneven row shards with and without ``shape=``; ``view(-1)`` even vs uneven."""
+    mesh, dev = world_mesh()
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    odd = torch.arange((ws + 1) * cols, dtype=torch.float32, device=dev).reshape(ws + 1, cols)
+    start, stop = shard_rows(ws + 1, ws, rank)
+    guessed = DTensor.from_local(odd[start:stop], mesh, [Shard(0)])  # shape: local rows x ws, per rank
+    told = DTensor.from_local(odd[start:stop], mesh, [Shard(0)], shape=odd.shape, stride=odd.stride())
+    even = torch.arange(2 * ws * cols, dtype=torch.float32, device=dev).reshape(2 * ws, cols)
+    flat = distribute_tensor(even, mesh, [Shard(0)]).view(-1)
+    try:
+        told.view(-1)
+        error = None
+    except RuntimeError as exc:  # DTensor's sharding propagation refuses to flatten uneven shards
+        error = str(exc)
+    return UnevenFromLocalResult(rank, stop - start, tuple(guessed.shape), tuple(told.shape),
+                                 bool(torch.equal(told.full_tensor(), odd)), str(list(flat.placements)),
+                                 bool(torch.equal(flat.full_tensor(), even.view(-1))), error)
+
+
+def scatter_dispatch_demo(rows: int = 2, cols: int = 3) -> ScatterDispatchResult:
+    """``distribute_tensor`` of a :class:`ProbeTensor`, and a scatter whose only subclass tensors are its inputs."""
+    mesh, dev = world_mesh()
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    x = torch.arange(ws * rows * cols, dtype=torch.float32, device=dev).reshape(ws * rows, cols)
+    mine = x[rank * rows:(rank + 1) * rows]
+    seen: list[str] = []
+    local = distribute_tensor(ProbeTensor(x.clone(), seen), mesh, [Shard(0)]).to_local()
+    plain_seen: list[str] = []
+    out = torch.empty(rows, cols, device=dev)  # a PLAIN output, as torch.empty_like makes for a Float8Tensor
+    probes = [ProbeTensor(c.clone(), plain_seen) for c in x.chunk(ws)] if rank == 0 else None
+    dist.scatter(out, probes, src=0, group=mesh.get_group())
+    q = CurrentScaling("e4m3").quantize(x)
+    return ScatterDispatchResult(rank, str(torch.ops.c10d.scatter_.default._schema), seen,
+                                 bool(torch.equal(local.inner, mine)), plain_seen, bool(torch.equal(out, mine)),
+                                 type(torch.empty_like(q)).__name__)
+
+
 def redistribute_demo(rows: int = 8, cols: int = 8) -> RedistributeResult:
     """Which collective each redistribution runs (CommDebugMode), and that the values survive."""
     mesh, dev = world_mesh()
@@ -237,7 +333,10 @@ def redistribute_demo(rows: int = 8, cols: int = 8) -> RedistributeResult:
 
 
 def quantized_dtensor_demo(rows: int = 8, cols: int = 16) -> QuantizedDTensorResult:
-    """A DTensor whose local shards are Float8Tensors sharing one scale (amax all-reduced)."""
+    """A DTensor whose local shards are Float8Tensors sharing one scale (amax all-reduced).
+
+    ``rows`` must divide by the world size: ``dt.view(-1)`` of uneven row shards raises
+    (:func:`uneven_from_local_demo`)."""
     mesh, dev = world_mesh()
     rank, ws = dist.get_rank(), dist.get_world_size()
     hp = counter_uniform(1, "w", (rows, cols), device=dev)  # every rank can make the same global tensor

@@ -3,10 +3,16 @@
 FSDP2 does **not** decide once, at ``fully_shard``, whether a parameter uses the all-gather hooks: it
 looks for ``fsdp_pre_all_gather`` on the local tensor at every all-gather, and re-runs its extension
 detection at lazy init. Nor is its shard buffer fixed at ``fully_shard``: at lazy init (the first
-forward) ``FSDPParam.reset_sharded_param`` takes a local tensor that changed since then as the new
-shard buffer -- padded first (``new_zeros`` of the new tensor, then a copy) only when its size differs
-from the padded shard size (a short rank of an uneven shard), otherwise its ``view(-1)`` as is. Its
-comment names ``load_state_dict(assign=True)`` as a supported way to replace parameters. A plain fp32
+forward), after every ``load_state_dict`` (a post-load hook) and after ``module.to()`` (``_apply``),
+``FSDPParam.reset_sharded_param`` rebuilds the flat shard buffer (``_sharded_param_data``) from the
+current local tensor unless it can tell that nothing changed -- and it can tell only while the buffer is
+a plain ``torch.Tensor``, by comparing storage pointers. For a tensor-subclass buffer torch skips the
+test (``# TODO: need to support tensor subclass``) and rebuilds every time. A rebuild takes the local
+tensor's ``view(-1)`` as is when the tensor has the padded shard size; on the short rank of an uneven
+shard it allocates a zero-padded shard (``new_zeros`` of the local tensor), copies the rows in, and makes
+them the DTensor's new ``_local_tensor``. So with quantized weights every reset costs the short rank a
+copy of its shard, while full ranks keep their storage (``tests/dist/test_reset_sharded_param.py``).
+Its comment names ``load_state_dict(assign=True)`` as a supported way to replace parameters. A plain fp32
 shard swapped into a bf16 model comes out of the first forward with an fp32 shard buffer
 (``plain_swap_buffer_dtypes``). (The all-gather output buffers are separate: allocated at the first
 all-gather, sized from the all-gather inputs -- for a parameter with hooks, what

@@ -97,7 +97,7 @@ class InitVariant:
 
     label: str  # what was built, e.g. "bf16, meta init" (for tables and plots)
     peak: int  # peak bytes allocated during init, above the level at entry
-    resident: int  # bytes the shard keeps afterwards (quantized buffers, plain parameters, kept fp32 init)
+    resident: int  # bytes of the storages the shard keeps afterwards (padded on a short rank; kept fp32 init too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,14 +262,14 @@ def allgather_demo(dim: int = 64, hidden: int = 256, n_blocks: int = 2, recipe: 
 
 
 def _resident_bytes(model: nn.Module) -> int:
-    """Bytes this rank's shards keep: quantized buffers, plain parameters, preserved fp32 init rows."""
-    total = 0
+    """Bytes of the distinct storages this rank's shards keep: quantized buffers, plain parameters, preserved
+    fp32 init rows. A short rank's shard is a narrowed view of FSDP2's padded buffer: ceil(N / ws) rows count."""
+    tensors = []
     for p in model.parameters():
-        loc = local_tensor(p)
-        total += loc.quantized_nbytes() if isinstance(loc, QuantizedTensor) else loc.numel() * loc.element_size()
-        hp = getattr(p, qi.HP_INIT_ATTR, None)
-        total += 0 if hp is None else hp.numel() * hp.element_size()
-    return total
+        loc, hp = local_tensor(p), getattr(p, qi.HP_INIT_ATTR, None)
+        tensors += list(loc.raw_buffers().values()) if isinstance(loc, QuantizedTensor) else [loc]
+        tensors += [] if hp is None else [hp]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def init_memory_demo(dim: int = 256, hidden: int = 1024, n_blocks: int = 2, recipe: str = "fp8") -> InitMemoryResult:

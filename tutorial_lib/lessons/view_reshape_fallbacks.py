@@ -69,7 +69,7 @@ class FallbackViewCosts:
 
     result_type: str  # type of what view(-1) returned
     write_reached_weight: bool  # does q.view(-1).zero_() change q? (a real view would)
-    copy_max_rel_err: float  # max |copy - dequantize(float32)| / amax: the copy is rounded to the nominal dtype
+    copy_max_rel_err: float  # max over nonzero elements of |copy - dequantize(float32)| / |dequantize(float32)|
     round_trip_bytes_changed: float  # fraction of buffer bytes changed by the no-op q.copy_(q.view(-1).view(q.shape))
     round_trip_max_rel_change: float  # largest value change of that round trip, relative to the amax
     copy_nbytes: int  # memory of the copy
@@ -120,6 +120,7 @@ def fallback_view_costs(q: QuantizedTensor) -> FallbackViewCosts:
         v = q.view(-1)
         q.copy_(v.view(q.shape))
     after = q.dequantize(torch.float32).reshape(-1)
+    nz = exact != 0  # per-element relative error: zeros decode to 0 in any dtype
     bufs = q.raw_buffers()
     n_changed = sum((bufs[n].reshape(-1).view(torch.uint8) != saved[n].reshape(-1).view(torch.uint8)).sum().item()
                     for n in bufs)
@@ -129,7 +130,7 @@ def fallback_view_costs(q: QuantizedTensor) -> FallbackViewCosts:
     return FallbackViewCosts(
         result_type=type(v).__name__,
         write_reached_weight=write_reached,
-        copy_max_rel_err=((v.double() - exact.double()).abs().max() / exact.abs().max()).item(),
+        copy_max_rel_err=((v.double() - exact.double()).abs()[nz] / exact.double().abs()[nz]).max().item(),
         round_trip_bytes_changed=n_changed / n_bytes,
         round_trip_max_rel_change=((after - exact).abs().max() / exact.abs().max()).item(),
         copy_nbytes=v.numel() * v.element_size(),
