@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
 import warnings
 
@@ -81,6 +82,11 @@ from tutorial_lib.dist.checkpoint_checks import (
 )
 from tutorial_lib.dist.checkpoint_dirs import CheckpointDir, checkpoint_dir, shared_checkpoint_dir
 from tutorial_lib.dist.checkpoint_load_planner import QuantizedLoadPlanner, RequantizeOnLoadError, SharedScaleError
+from tutorial_lib.dist.checkpoint_replicated import (
+    ReplicatedStateMismatchError,
+    raise_if_replicated_differ,
+    replicated_checksums,
+)
 from tutorial_lib.quant.serialization import quantized_tensor_globals
 from tutorial_lib.quant.tensor import QuantizedTensor
 
@@ -90,6 +96,7 @@ __all__ = [
     "NonFiniteCheckpointError",
     "QuantizedLoadPlanner",
     "QuantizedSavePlanner",
+    "ReplicatedStateMismatchError",
     "RequantizeOnLoadError",
     "SafeFileSystemReader",
     "SharedScaleError",
@@ -132,8 +139,27 @@ def clean_quantized(t: QuantizedTensor) -> QuantizedTensor:
     return type(t).from_buffers(buffers, t.meta(), t.shape, t.dtype)
 
 
+_CHECKSUMS = "__tutorial_replicated_checksums__"  # rides in a local plan's planner_data, never in .metadata
+
+
 class QuantizedSavePlanner(DefaultSavePlanner):
-    """DCP save planner that writes quantized tensors as :func:`clean_quantized` chunks."""
+    """DCP save planner that writes quantized tensors as :func:`clean_quantized` chunks, and refuses to save
+    replicated items the ranks disagree on (:mod:`tutorial_lib.dist.checkpoint_replicated`): each local plan
+    carries their checksums, the coordinator compares them before DCP's de-duplication keeps one rank's copy."""
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        data = dict(plan.planner_data or {})  # DCP's flattening mappings (or nothing)
+        data[_CHECKSUMS] = replicated_checksums(self.state_dict)
+        return dataclasses.replace(plan, planner_data=data)
+
+    def create_global_plan(self, all_plans):
+        raise_if_replicated_differ([(p.planner_data or {}).get(_CHECKSUMS, {}) for p in all_plans])
+        stripped = []
+        for p in all_plans:
+            data = {k: v for k, v in (p.planner_data or {}).items() if k != _CHECKSUMS}
+            stripped.append(dataclasses.replace(p, planner_data=data if data or p.planner_data is None else None))
+        return super().create_global_plan(stripped)
 
     def transform_object(self, write_item: WriteItem, object):  # noqa: A002 - DCP's signature
         if write_item.type != WriteItemType.BYTE_IO and isinstance(object, QuantizedTensor):
@@ -223,7 +249,7 @@ def save_checkpoint(state_dict: dict, path: str | os.PathLike, *, mode: str = "s
     kwargs = dict(checkpoint_id=path, planner=QuantizedSavePlanner(), process_group=process_group, no_dist=no_dist,
                   **({} if storage_writer is None else {"storage_writer": storage_writer}))
     if mode == "sync":
-        with _single_process_quiet(no_dist):
+        with _unwrapped_errors(), _single_process_quiet(no_dist):
             dcp.save(state_dict, **kwargs)
         return None
     if not no_dist:
@@ -233,6 +259,7 @@ def save_checkpoint(state_dict: dict, path: str | os.PathLike, *, mode: str = "s
     future = getattr(out, "upload_completion", out)  # AsyncSaveResponse (async staging) or a Future
     if stager is not None:  # we own it: close it when the upload is done (torch >= 2.9 contract)
         future.add_done_callback(lambda _f: stager.close())
+    future = _unwrapping(future)
     _ASYNC_SAVES.append(future)
     return future
 
@@ -275,23 +302,50 @@ def chunk_safe_globals() -> list:
     return [*quantized_tensor_globals(), QuantizedTensor]
 
 
+_OUR_ERRORS = (RequantizeOnLoadError, SharedScaleError, UnsafeCheckpointError, ReplicatedStateMismatchError, TypeError)
+
+
+def _ours(exc: CheckpointException) -> BaseException | None:
+    """The first of our own errors inside DCP's ``CheckpointException`` (lowest rank first), else None."""
+    ours = [e for _, (e, _tb) in sorted(exc.failures.items()) if isinstance(e, _OUR_ERRORS)]
+    return ours[0] if ours else None
+
+
 @contextlib.contextmanager
 def _unwrapped_errors():
-    """Re-raise our own load errors as themselves, not inside DCP's ``CheckpointException``.
+    """Re-raise our own save and load errors as themselves, not inside DCP's ``CheckpointException``.
 
     DCP collects every rank's exception into a ``CheckpointException`` -- a ``BaseException``, so
     an ``except Exception:`` around a load does NOT catch it. Our errors (requantize refused,
-    shared scale disagreeing, an item that would run code) come back as the ``ValueError``
-    subclasses they are.
+    shared scale disagreeing, an item that would run code, replicated items the ranks disagree on) come back
+    as the ``ValueError`` subclasses they are.
     """
     try:
         yield
     except CheckpointException as exc:
-        ours = [e for _, (e, _tb) in sorted(exc.failures.items())
-                if isinstance(e, (RequantizeOnLoadError, SharedScaleError, UnsafeCheckpointError, TypeError))]
-        if ours:
-            raise ours[0] from exc
+        ours = _ours(exc)
+        if ours is not None:
+            raise ours from exc
         raise
+
+
+def _unwrapping(inner: concurrent.futures.Future) -> concurrent.futures.Future:
+    """An async save's future whose ``result()`` raises our own errors as themselves (:func:`_unwrapped_errors`)."""
+    outer: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(f: concurrent.futures.Future) -> None:
+        try:
+            outer.set_result(f.result())
+        except CheckpointException as exc:
+            ours = _ours(exc)
+            if ours is not None:
+                ours.__cause__ = exc
+            outer.set_exception(exc if ours is None else ours)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's result()
+            outer.set_exception(exc)
+
+    inner.add_done_callback(done)
+    return outer
 
 
 def load_checkpoint(state_dict: dict, path: str | os.PathLike, *, check_finite: bool = True,
