@@ -7,6 +7,10 @@ threads enqueueing collectives on ONE group pair them up across ranks in whateve
 ``async_save_rank_functions`` fixes that order (no timing involved): on one shared group rank 0's all-reduce pairs
 with rank 1's plan gather -- a gloo timeout (the launch's short collective timeout) -- and the tests below fail;
 on the save's own group everything pairs up.
+
+The contract test runs both: the broken variant (the library's choice of group replaced, inside the ranks, by the
+default group) is marked ``xfail(strict=True)`` and must fail with exactly that collective timeout, so the suite
+fails if the hazard ever stops reproducing; the same assertions pass on the library's own group.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import sys
 import async_save_rank_functions as asf  # tests/dist is on sys.path (see rank_functions.py)
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from tutorial_lib.dist.checkpoint import checkpoint_dir
 from tutorial_lib.dist.launcher import launch
@@ -25,10 +31,47 @@ from tutorial_lib.dist.launcher import launch
 pytestmark = pytest.mark.distributed
 
 
-def test_async_save_runs_on_its_own_group_next_to_main_thread_collectives():
+COLLECTIVE_TIMEOUT = 10  # seconds (the launch's process-group timeout): how long the broken variant hangs
+
+
+class CollectiveTimedOut(Exception):
+    """A rank of the launch failed with gloo's collective timeout ("Timed out waiting ...")."""
+
+
+def broken(value, raises):
+    return pytest.param(value, id="broken", marks=pytest.mark.xfail(strict=True, raises=raises,
+                                                                    reason="broken variant reproduces the pitfall"))
+
+
+def fixed(value):
+    return pytest.param(value, id="fixed")
+
+
+def all_reduce_while_saving_on(root: str, group: str) -> dict:
+    """:func:`async_save_rank_functions.all_reduce_while_saving` with its async saves on the library's own group
+    (``"own"``), or -- BROKEN on purpose, ``"default"`` -- on the default group: the function the library picks the
+    group with is replaced in this rank's own interpreter (spawned: the patch ends with the rank's process)."""
+    if group == "default":
+        import tutorial_lib.dist.checkpoint as checkpoint
+
+        checkpoint._async_save_group = lambda process_group: dist.distributed_c10d._get_default_group()
+    try:
+        return asf.all_reduce_while_saving(root)
+    except (Exception, CheckpointException) as exc:
+        # returned, not raised, so the test sees EVERY rank's error: a failed launch reports only the first one,
+        # which may be the "Connection closed by peer" of a rank whose peer timed out (and exited) just before
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+@pytest.mark.parametrize("group", [broken("default", raises=CollectiveTimedOut), fixed("own")])
+def test_contract_async_save_runs_on_its_own_group_next_to_main_thread_collectives(group):
     with checkpoint_dir() as root:
-        out = launch(asf.all_reduce_while_saving, world_size=2, device="cpu", args=(root,), timeout=120,
-                     collective_timeout=15)
+        out = launch(all_reduce_while_saving_on, world_size=2, device="cpu", args=(root, group), timeout=120,
+                     collective_timeout=COLLECTIVE_TIMEOUT, echo=False)
+    errors = [r["error"] for r in out if "error" in r]
+    if any("Timed out waiting" in e for e in errors):  # gloo's message when a collective passes the group's timeout
+        raise CollectiveTimedOut("\n".join(e[:300] for e in errors))
+    assert errors == []
     for r in out:
         assert r["all_reduce"] == r["expected"]  # the main thread's all-reduce paired with its peer's
         assert r["loaded_equal"]
