@@ -212,7 +212,7 @@ def test_uneven_from_local_needs_shape_and_uneven_view_raises(lesson05):
         assert u.shape_without == [(4, 4), (2, 4)][rank]
         assert u.shape_with == (3, 4) and u.with_full_equal
         assert u.even_view == "[Shard(dim=0)]" and u.even_view_full_equal
-        assert "flatten unevenly sharded" in u.uneven_view_error  # 2.13: "Cannot flatten ...", 2.11: "Attempted to flatten ..."
+        assert "flatten unevenly sharded" in u.uneven_view_error  # 2.13 "Cannot flatten", 2.11 "Attempted to flatten"
 
 
 @pytest.mark.distributed
