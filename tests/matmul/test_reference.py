@@ -63,3 +63,33 @@ def test_gemm_error_bound_refuses_arguments_it_has_no_bound_for(a, K, kw, match)
     (it would make the bound negative) and n * u >= 1 (gamma is undefined) each raise a ValueError."""
     with pytest.raises(ValueError, match=match):
         R.gemm_error_bound(a, _B, K, **kw)
+
+
+@pytest.mark.parametrize("scales", [(1.2345e-38, 2.0**100), (1.37 * 2.0**-100, 1.91 * 2.0**-40)])
+def test_a_scale_product_below_fp32_normals_stays_within_the_bound(scales):
+    """sa * sb below 2**-126: formed first (the kernels' order, and the emulation's), it errs by 2**-150 times the
+    sum it scales, which the bound's underflow terms cover; ``(acc * sa) * sb`` would multiply acc * sa's
+    underflow error by sb (1e4x the bound at the first pair)."""
+    from tutorial_lib.matmul.emulation import blockwise_emulated, scaled_emulated
+    from tutorial_lib.quant.blockwise import quantize_fp8_blockwise
+
+    dequantize_blockwise_f64, gemm_error_bound = R.dequantize_blockwise_f64, R.gemm_error_bound
+    s_a, s_b = scales
+    g = torch.Generator().manual_seed(9)
+    a, sa = quantize_fp8_blockwise(torch.randn(4, 256, generator=g), (1, 128))
+    b, sb = quantize_fp8_blockwise(torch.randn(128, 256, generator=g), (128, 128))
+    a, b = torch.zeros_like(a), torch.zeros_like(b)  # one E4M3 subnormal 2**-9 per row and block: each block sum
+    a[:, ::128], b[:, ::128] = 1, 1  # is 2**-18, so acc * sa alone would fall deep below fp32's normals
+    sa, sb = torch.full_like(sa, s_a), torch.full_like(sb, s_b)
+    A, B = dequantize_blockwise_f64(a, sa, (1, 128)), dequantize_blockwise_f64(b, sb, (128, 128))
+    err = (blockwise_emulated(a, sa, b, sb, 128, torch.float32).double() - A @ B.T).abs()
+    assert (err <= gemm_error_bound(A.abs(), B.abs(), 256, block_k=128)).all()
+
+    codes_a = torch.randint(0, 126, (4, 256), dtype=torch.uint8, generator=g)  # finite E4M3 codes, both signs
+    codes_b = torch.randint(128, 254, (256, 8), dtype=torch.uint8, generator=g)
+    codes_a[0], codes_b[:, 0] = 0x7E, 0x7E  # 448s: a sum of 256 * 448**2 under a subnormal scale product
+    ta, tb = torch.tensor(s_a), torch.tensor(s_b)
+    Ad = codes_a.view(torch.float8_e4m3fn).double() * s_a
+    Bd = codes_b.view(torch.float8_e4m3fn).double() * s_b
+    err = (scaled_emulated(codes_a, "e4m3", codes_b, "e4m3", ta, tb, torch.float32).double() - Ad @ Bd).abs()
+    assert (err <= gemm_error_bound(Ad.abs(), Bd.abs().T, 256)).all()

@@ -391,6 +391,18 @@ BAD_CALLS = {
     "blockwise codes K": (lambda: scaled_mm_module.check_blockwise_codes(
         torch.zeros(16, 128, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(128, 256, dtype=torch.uint8),
         torch.ones(1, 2), torch.float32), "shapes"),
+    "blockwise codes K tail": (lambda: scaled_mm_module.check_blockwise_codes(  # the emulation dropped the tail
+        torch.zeros(16, 200, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(128, 200, dtype=torch.uint8),
+        torch.ones(1, 2), torch.float32), "K multiple of 128"),
+    "blockwise codes a scales": (lambda: scaled_mm_module.check_blockwise_codes(
+        torch.zeros(16, 256, dtype=torch.uint8), torch.ones(16, 5), torch.zeros(128, 256, dtype=torch.uint8),
+        torch.ones(1, 2), torch.float32), "fp32 scales, one per block"),
+    "blockwise codes w scales": (lambda: scaled_mm_module.check_blockwise_codes(  # 1x128 scales, 128x128 said
+        torch.zeros(16, 256, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(128, 256, dtype=torch.uint8),
+        torch.ones(128, 2), torch.float32), "fp32 scales, one per block"),
+    "blockwise codes scale dtype": (lambda: scaled_mm_module.check_blockwise_codes(
+        torch.zeros(16, 256, dtype=torch.uint8), torch.ones(16, 2, dtype=torch.float64),
+        torch.zeros(128, 256, dtype=torch.uint8), torch.ones(1, 2), torch.float32), "fp32 scales, one per block"),
     "blockwise codes out fp64": (lambda: scaled_mm_module.check_blockwise_codes(
         torch.zeros(16, 128, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(128, 128, dtype=torch.uint8),
         torch.ones(1, 1), torch.float64), "output dtype"),

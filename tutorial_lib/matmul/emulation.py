@@ -5,10 +5,11 @@ FP8 values is exact in fp32 (at most 8 significant bits, the smallest product 2*
 normal). So decoding the codes to fp32 and multiplying with fp32 accumulation computes what the
 FP8 tensor cores compute, with two differences a caller must know: the sums run in fp32, where an
 FP8 MMA accumulates with about 13 fraction bits, and in another order. The scales are applied where
-the hardware applies them::
+the hardware applies them, their product formed first (so a product below fp32's normals errs by 2**-150
+times the sum, not by that error times a large second scale)::
 
-    per-tensor / row-wise     acc = A @ B (one fp32 sum over K)       out = acc * scale_a * scale_b
-    blockwise (1x128 blocks)  acc += (A_kb @ B_kb^T) * sa[:, kb] * sb[kb]   per 128-wide K block kb
+    per-tensor / row-wise     acc = A @ B (one fp32 sum over K)       out = acc * (scale_a * scale_b)
+    blockwise (1x128 blocks)  acc += (A_kb @ B_kb^T) * (sa[:, kb] * sb[kb])   per 128-wide K block kb
     epilogue                  out = round_to_out_dtype(out + bias)     ONE rounding; the bias in fp32
 
 ``tutorial_lib.matmul.scaled_mm`` runs these for ``backend="emulated"`` (the CPU default) and labels
@@ -51,7 +52,7 @@ def scaled_emulated(a_data, a_fmt, b_data, b_fmt, scale_a, scale_b, out_dtype, b
     """``A [M, K] @ B [K, N]`` with per-tensor (0-d) or row-wise ([M, 1], [1, N]) scales: fp32 values of the
     codes, exact products, one fp32 sum, then the scales and the bias (the epilogue)."""
     acc = decode_codes(a_data, a_fmt) @ decode_codes(b_data, b_fmt)
-    return epilogue(acc * scale_a * scale_b, bias, out_dtype)
+    return epilogue(acc * (scale_a * scale_b), bias, out_dtype)  # the scale product first, as the kernels
 
 
 def blockwise_emulated(a_data, a_scale, w_data, w_scale, w_rows_per_scale: int, out_dtype, bias=None
@@ -66,5 +67,5 @@ def blockwise_emulated(a_data, a_scale, w_data, w_scale, w_rows_per_scale: int, 
     for kb in range(k // BLOCK):
         cols = slice(kb * BLOCK, (kb + 1) * BLOCK)
         part = decode_codes(a_data[:, cols], "e4m3") @ decode_codes(w_data[:, cols], "e4m3").t()
-        acc += part * a_scale[:, kb : kb + 1] * w_scale_rows[:, kb].unsqueeze(0)
+        acc += part * (a_scale[:, kb : kb + 1] * w_scale_rows[:, kb].unsqueeze(0))  # scale product first
     return epilogue(acc, bias, out_dtype)

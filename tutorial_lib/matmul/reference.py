@@ -32,10 +32,13 @@ other order of) summation of n + 1 terms in a precision with unit roundoff u:
         |out - ref| <= e_acc + u_out * (|ref| + e_acc)          (+ the underflow terms, tiny)
 
 The underflow terms are absolute: each fp32 rounding below 2**-126 errs by up to 2**-150, and a
-scale product ``a_scale_inv * b_scale_inv`` that falls there (the kernel forms it before multiplying
-a block sum of up to 128 * 448**2) errs by up to 2**-150 times that block sum: ``K * 448**2 * 2**-150``
-over K. The bound assumes the scale products stay finite: one past fp32's max makes the kernel's
-block inf (NaN for a zero block sum) where the float64 reference is finite.
+scale product ``a_scale_inv * b_scale_inv`` that falls there errs by up to 2**-150 times the sum it then
+multiplies -- a block sum of up to 128 * 448**2 (blockwise): ``K * 448**2 * 2**-150`` over K; the whole
+sum of up to K * 57344**2 (per-tensor, E5M2's largest codes): ``K * 57344**2 * 2**-150``. Both assume the
+scale product is formed FIRST, as the kernels and the emulation do: ``(acc * sa) * sb`` would round
+``acc * sa`` below the normals and multiply that error by ``sb``, unbounded. The bound assumes the scale
+products stay finite: one past fp32's max makes the kernel's block inf (NaN for a zero block sum) where the
+float64 reference is finite.
 
 ``u_in`` is ``2**-24`` for an fp32 accumulator (the CPU interpreter) and
 :data:`FP8_TENSOR_CORE_UNIT_ROUNDOFF` for the FP8 tensor cores of a Hopper GPU, whose in-MMA
@@ -229,8 +232,9 @@ def gemm_error_bound(a_abs: torch.Tensor, b_abs: torch.Tensor, K: int, *, block_
       :data:`FP8_TENSOR_CORE_UNIT_ROUNDOFF` on Hopper tensor cores, 0 where the block sums are
       exact), each scaled and added in fp32:
       ``e_acc = ((1 + gamma(block_k, u_in)) * (1 + gamma(K / block_k + 1, 2**-24)) - 1) * P``;
-    * plus fp32 underflow, ``(K + 2) * 2**-150`` (blockwise: ``+ K * 448**2 * 2**-150``, a scale product
-      below fp32's normals times a block sum), and the rounding to ``out_dtype``:
+    * plus fp32 underflow, ``(K + 2) * 2**-150``, and a scale product below fp32's normals times the sum it
+      scales (``+ K * 448**2 * 2**-150`` blockwise, ``+ K * 57344**2 * 2**-150`` per-tensor), and the rounding
+      to ``out_dtype``:
       ``u_out * (|ref| + e_acc) + tiny_out / 2`` (u_out = 2**-8 for bf16, 2**-11 for fp16, 0 for
       fp32 output, which is the accumulator itself). ``reference`` (|ref|) tightens that term; without
       it ``P`` stands in for |ref|.
@@ -258,8 +262,9 @@ def gemm_error_bound(a_abs: torch.Tensor, b_abs: torch.Tensor, K: int, *, block_
             raise ValueError(f"K = {K} is not a multiple of block_k = {block_k}")
         rel = (1 + _gamma(block_k, inner_unit_roundoff)) * (1 + _gamma(K // block_k + 1, u)) - 1
     e_acc = rel * P + (K + 2) * 2.0**-150
-    if block_k is not None:  # sa * sb rounded below fp32's normals, times a block sum of up to block_k * 448**2
-        e_acc = e_acc + K * 448.0**2 * 2.0**-150
+    # sa * sb rounded below fp32's normals (formed first), times the sum it scales: block sums of up to
+    # block_k * 448**2 (E4M3 blocks), or the whole sum of up to K * 57344**2 (per-tensor, E5M2 codes at most)
+    e_acc = e_acc + K * (448.0 if block_k is not None else 57344.0) ** 2 * 2.0**-150
     if out_dtype in (torch.float32, torch.float64):
         return e_acc
     fi = torch.finfo(out_dtype)

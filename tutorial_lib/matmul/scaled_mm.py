@@ -376,13 +376,17 @@ def _check_blockwise(a, w, out_dtype, use_fast_accum: bool) -> None:
         raise TypeError(f"blockwise_mm: w must be an FP8Blockwise128x128Tensor (weight tiles) or an "
                         f"FP8Blockwise1x128Tensor, got {type(w).__name__}")
     ab, wb = a.raw_buffers(), w.raw_buffers()
-    check_blockwise_codes(ab["data"], ab["scale_inv"], wb["data"], wb["scale_inv"], out_dtype, use_fast_accum)
+    check_blockwise_codes(ab["data"], ab["scale_inv"], wb["data"], wb["scale_inv"], out_dtype, use_fast_accum,
+                          w_block=tuple(w.block))
 
 
 def check_blockwise_codes(a_data: torch.Tensor, a_scale_inv: torch.Tensor, w_data: torch.Tensor,
-                          w_scale_inv: torch.Tensor, out_dtype: torch.dtype, use_fast_accum: bool = False) -> None:
-    """Raise :class:`FP8LayoutError` unless the buffers of ``a`` (1x128 blocks) and ``w`` (either block shape) make
-    a valid blockwise GEMM ``a @ w.T`` (the rules of :func:`blockwise_mm`, checked on its raw buffers)."""
+                          w_scale_inv: torch.Tensor, out_dtype: torch.dtype, use_fast_accum: bool = False, *,
+                          w_block: tuple[int, int] = (_BLOCK, _BLOCK)) -> None:
+    """Raise :class:`FP8LayoutError` unless the buffers of ``a`` (1x128 blocks) and ``w`` (``w_block``: 128x128
+    tiles or 1x128 blocks) make a valid blockwise GEMM ``a @ w.T`` (the rules of :func:`blockwise_mm`, checked on
+    its raw buffers): uint8 codes, K a multiple of 128, fp32 scales of shapes [M, K/128] and
+    [N / w_block[0], K/128] -- every backend, the emulation included, then reads every k-block."""
     for name, data, scale in (("a", a_data, a_scale_inv), ("w", w_data, w_scale_inv)):
         if data.dim() != 2:
             _fail("2-D operands", f"{name} has shape {list(data.shape)}", "flatten the leading dims first")
@@ -396,6 +400,19 @@ def check_blockwise_codes(a_data: torch.Tensor, a_scale_inv: torch.Tensor, w_dat
         _fail("shapes", f"a is [{m}, {k}] and w is [{n}, {k2}]", "blockwise_mm computes a @ w.T: w is [N, K]")
     if a_data.device != w_data.device:
         _fail("one device", f"a on {a_data.device}, w on {w_data.device}", "move both to one device")
+    if a_data.dtype != torch.uint8 or w_data.dtype != torch.uint8:
+        _fail("FP8 codes", f"a and w codes are {a_data.dtype} and {w_data.dtype}", "pass the uint8 E4M3 codes")
+    if k % _BLOCK:
+        _fail("K multiple of 128", f"K={k}", "pad K to a multiple of 128: the 1x128 blocks must tile it (a tail "
+              "would be dropped)")
+    w_block = tuple(w_block)
+    if w_block not in ((_BLOCK, _BLOCK), (1, _BLOCK)):
+        _fail("w blocks of 128x128 or 1x128", f"w_block={w_block}", "quantize w in one of those blocks")
+    for name, scale, want, what in (("a", a_scale_inv, (m, k // _BLOCK), "1x128 block"),
+                                    ("w", w_scale_inv, (n // w_block[0], k // _BLOCK), f"{w_block[0]}x128 block")):
+        if scale.dtype != torch.float32 or tuple(scale.shape) != want:
+            _fail("fp32 scales, one per block", f"{name}'s scales are {scale.dtype} {list(scale.shape)}",
+                  f"pass fp32 scales of shape {list(want)} (one per {what})")
     if n % 16:
         _fail("K and N multiples of 16", f"N={n}", "pad N to a multiple of 16 (K is a multiple of 128 already)")
     if m % 4:
