@@ -197,7 +197,8 @@ def test_auto_backend_uses_the_kernels_exactly_on_cuda(monkeypatch):
     x = torch.randn(4, 256, device=DEV)
     quantize_fp8_blockwise(x)  # auto, 1x128
     quantize_fp8_blockwise(torch.randn(2, 128, 256, device=DEV), (128, 128))  # auto, 128x128 tiles, 3-D
-    quantize_fp8_blockwise(x.double())  # fp64: the reference
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):  # fp64: refused (it would round twice)
+        quantize_fp8_blockwise(x.double())
     assert calls == ([("quantize_1x128", (4, 256)), ("quantize_128x128", (256, 256))] if DEV == "cuda" else [])
     blockwise.BlockwiseFP8Quantizer((1, 128)).quantize(x)
     blockwise.BlockwiseFP8Quantizer((128, 128)).quantize(torch.randn(128, 384, device=DEV))
@@ -215,7 +216,7 @@ def test_bad_input_gets_a_clear_error():
         quantize_1x128(torch.ones(4, 128, dtype=torch.int32, device=DEV))
     with pytest.raises(ValueError, match="power of two"):
         quantize_1x128(torch.randn(4, 128, device=DEV), rows=3)
-    with pytest.raises(ValueError, match="Triton blockwise kernels quantize"):
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):  # every backend refuses fp64
         quantize_fp8_blockwise(torch.randn(128, 128, dtype=torch.float64), (128, 128), backend="triton")
     with pytest.raises(ValueError, match=r"rows 64 .* 128x128 tile"):
         quantize_128x128(torch.randn(64, 128, device=DEV))
@@ -253,7 +254,8 @@ def test_with_transpose_routing_and_errors(monkeypatch):
                         lambda t, **kw: calls.append(tuple(t.shape)) or quantize_1x128_with_transpose(t, **kw))
     quantize_fp8_1x128_with_transpose(x)  # default: two 1x128 quantizes
     quantize_fp8_1x128_with_transpose(x, one_read=True)  # auto: the one-read kernel on CUDA only
-    quantize_fp8_1x128_with_transpose(x.double(), one_read=True)  # fp64: the reference
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):  # fp64: refused, as by quantize_fp8_blockwise
+        quantize_fp8_1x128_with_transpose(x.double(), one_read=True)
     assert calls == ([(128, 384)] if DEV == "cuda" else [])
     with pytest.raises(ValueError, match=r"rows 192 .* not a multiple of 128: x.T's 1x128 blocks"):
         quantize_1x128_with_transpose(torch.randn(192, 128, device=DEV))
@@ -263,8 +265,8 @@ def test_with_transpose_routing_and_errors(monkeypatch):
         quantize_fp8_1x128_with_transpose(torch.randn(100, 128))
     with pytest.raises(ValueError, match="both dims multiples of 128"):
         quantize_fp8_1x128_with_transpose(torch.randn(2, 128, 128))
-    with pytest.raises(ValueError, match="Triton blockwise kernels quantize"):
-        quantize_fp8_1x128_with_transpose(torch.randn(128, 128, dtype=torch.float64), backend="triton")
+    with pytest.raises(ValueError, match="Triton blockwise kernels quantize"):  # the one-read kernel's own check
+        quantize_fp8_1x128_with_transpose(torch.randn(128, 128, dtype=torch.float64), backend="triton", one_read=True)
     (d, s), (dt, st) = quantize_1x128_with_transpose(torch.empty(0, 256, device=DEV))
     assert d.shape == (0, 256) and s.shape == (0, 2) and dt.shape == (256, 0) and st.shape == (256, 0)
 

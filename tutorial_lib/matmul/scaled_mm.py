@@ -75,7 +75,6 @@ Example::
 from __future__ import annotations
 
 import collections
-import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +84,7 @@ from tutorial_lib.matmul.emulation import BLOCK as _BLOCK
 from tutorial_lib.matmul.emulation import blockwise_emulated, scaled_emulated
 from tutorial_lib.quant.blockwise import FP8Blockwise1x128Tensor, FP8Blockwise128x128Tensor
 from tutorial_lib.quant.float8 import FP8_DTYPES, Float8Tensor
-from tutorial_lib.quant.per_tensor import scale_from_amax
+from tutorial_lib.quant.rowwise import RowwiseFP8, quantize_rowwise
 from tutorial_lib.quant.tensor import QuantizedTensor
 
 __all__ = [
@@ -313,35 +312,6 @@ def fp8_mm_codes(a_data: torch.Tensor, a_fmt: str, a_scale_inv: torch.Tensor, b_
         return _scaled_torch(a_data, a_fmt, b_data, b_fmt, a_scale_inv, b_scale_inv, out_dtype, use_fast_accum,
                              bias)
     return scaled_emulated(a_data, a_fmt, b_data, b_fmt, a_scale_inv, b_scale_inv, out_dtype, bias)
-
-
-@dataclasses.dataclass(frozen=True)
-class RowwiseFP8:
-    """FP8 codes with one fp32 scale per row (or per column): what :func:`fp8_mm_rowwise` multiplies."""
-
-    data: torch.Tensor  # uint8 FP8 codes, the input's shape, contiguous
-    scale_inv: torch.Tensor  # fp32 decoding multipliers, size 1 along the quantized dim ([M, 1] for dim=-1)
-    fmt: str  # "e4m3" or "e5m2"
-
-
-def quantize_rowwise(x: torch.Tensor, fmt: str = "e4m3", *, dim: int = -1, pow2_scales: bool = False) -> RowwiseFP8:
-    """Current scaling per row of a 2-D ``x`` (amax over ``dim``): the operand of a row-wise scaled GEMM.
-
-    For A [M, K] use ``dim=-1`` (scales [M, 1]); for a weight W [N, K] also ``dim=-1``, then pass
-    ``data.t()`` and ``scale_inv.t()`` ([1, N]) as B. Scales follow
-    :func:`tutorial_lib.quant.per_tensor.scale_from_amax`, one row at a time (an all-zero row gets
-    a finite scale; a row with NaN/inf becomes NaN).
-    """
-    if x.dim() != 2 or not x.dtype.is_floating_point:
-        raise TypeError(f"quantize_rowwise takes a 2-D floating-point tensor, got {x.dtype} {list(x.shape)}")
-    if fmt not in FP8_DTYPES:
-        raise ValueError(f"fmt must be one of {sorted(FP8_DTYPES)}, got {fmt!r}")
-    xf = x.detach().to(torch.float32)
-    amax = xf.abs().amax(dim=dim, keepdim=True)  # NaN-propagating
-    scale = scale_from_amax(amax, fmt, pow2_scales=pow2_scales)
-    fmax = torch.finfo(FP8_DTYPES[fmt]).max
-    data = (xf * scale).clamp(-fmax, fmax).to(FP8_DTYPES[fmt]).view(torch.uint8).contiguous()
-    return RowwiseFP8(data=data, scale_inv=scale.reciprocal().contiguous(), fmt=fmt)
 
 
 def fp8_mm_rowwise(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: torch.Tensor,
