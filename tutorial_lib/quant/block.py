@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 
 import torch
+from tutorial_kernels.fp8_args import SUPPORTED_DTYPES
 
 from tutorial_lib.quant.fallback import disallowed_view
 from tutorial_lib.quant.tensor import Layout, QuantizedTensor
@@ -54,6 +55,14 @@ def block_dims_of(block: tuple[int, ...]) -> tuple[int, ...]:
 def block_name(block_dims: tuple[int, ...]) -> str:
     """(32,) -> '1x32', (128, 128) -> '128x128'."""
     return "1x" + str(block_dims[0]) if len(block_dims) == 1 else "x".join(map(str, block_dims))
+
+
+def check_input_dtype(x: torch.Tensor, *, what: str) -> None:
+    """TypeError unless ``x`` is float32, bfloat16 or float16: the block quantizers compute in fp32, so float64
+    would be rounded to fp32 first and then to the grid -- twice (integers have no scale to take)."""
+    if x.dtype not in SUPPORTED_DTYPES:  # the FP8 casts' dtypes
+        raise TypeError(f"{what} quantizes float32, bfloat16 or float16 tensors, got {x.dtype} (round float64 "
+                        "to float32 first if that is what you mean)")
 
 
 def check_block_shape(shape, block_dims: tuple[int, ...], *, what: str) -> None:

@@ -53,6 +53,7 @@ from tutorial_lib.quant.block import (
     block_dims_of,
     ceil_log2,
     check_block_shape,
+    check_input_dtype,
     check_scale_shape,
     e4m3_bytes_to_fp32,
     exp2_int,
@@ -115,9 +116,7 @@ def quantize_fp8_blockwise(x: torch.Tensor, block=(1, 128), *, pow2_scales: bool
     """
     dims = _check_block(block)
     _check_backend(backend)
-    if x.dtype not in SUPPORTED_DTYPES:  # float64 would be rounded to fp32 first, then to the grid: twice
-        raise TypeError(f"FP8 blockwise quantizes float32, bfloat16 or float16 tensors, got {x.dtype} (round float64 "
-                        "to float32 first if that is what you mean)")
+    check_input_dtype(x, what="FP8 blockwise")
     check_block_shape(x.shape, dims, what="FP8 blockwise")
     if _use_triton(x, backend):
         # 1x128 or 128x128: leading dims flattened into rows (tiles never straddle them: dim -2 % 128 == 0)

@@ -46,6 +46,7 @@ from tutorial_lib.quant.block import (
     BlockScaledTensor,
     abs_bits,
     check_block_shape,
+    check_input_dtype,
     check_scale_shape,
     e4m3_bytes_to_fp32,
     exp2_int,
@@ -101,9 +102,7 @@ def quantize_mxfp8(x: torch.Tensor, *, axis: int = -1, rounding: str = "floor"):
     E8M0 codes with the blocked dim divided by 32 (rowwise ``[..., K/32]``, columnwise
     ``[..., M/32, K]``). This is THE reference the Triton kernel, tests and lessons share.
     """
-    if x.dtype not in SUPPORTED_DTYPES:  # float64 would be rounded to fp32 first, then to the grid: twice
-        raise TypeError(f"MXFP8 quantizes float32, bfloat16 or float16 tensors, got {x.dtype} (round float64 "
-                        "to float32 first if that is what you mean)")
+    check_input_dtype(x, what="MXFP8")
     if axis in (-1, x.dim() - 1):
         check_block_shape(x.shape, (MX_BLOCK,), what="MX")
         return _quantize_rowwise(x, rounding)

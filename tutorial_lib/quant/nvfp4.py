@@ -34,7 +34,6 @@ Example::
 from __future__ import annotations
 
 import torch
-from tutorial_kernels.fp8_args import SUPPORTED_DTYPES
 from tutorial_kernels.nvfp4_dequantize import NVFP4_DEQUANTIZE_DTYPES, nvfp4_dequantize
 
 from tutorial_lib.quant.block import (
@@ -46,6 +45,7 @@ from tutorial_lib.quant.block import (
     block_amax,
     block_dims_of,
     check_block_shape,
+    check_input_dtype,
     check_scale_shape,
     e4m3_bytes_to_fp32,
     expand_scales,
@@ -109,9 +109,7 @@ def quantize_nvfp4(x: torch.Tensor, block=(1, 16), *, global_amax: torch.Tensor 
     scale), or this tensor's own amax. THE reference shared by tests and lessons.
     """
     dims = _check_block(block)
-    if x.dtype not in SUPPORTED_DTYPES:  # float64 would be rounded to fp32 first, then to the grid: twice
-        raise TypeError(f"NVFP4 quantizes float32, bfloat16 or float16 tensors, got {x.dtype} (round float64 "
-                        "to float32 first if that is what you mean)")
+    check_input_dtype(x, what="NVFP4")
     check_block_shape(x.shape, dims, what="NVFP4")
     if global_scale_inv is not None:
         gsi = torch.as_tensor(global_scale_inv, dtype=torch.float32, device=x.device).reshape(())
