@@ -362,6 +362,10 @@ def _check_layout(a_data, a_scale_inv, b_data, b_scale_inv, out_dtype, out, M, N
         if not t.is_contiguous():
             raise ValueError(f"{name} must be row-major contiguous ([rows, K], K contiguous), got strides "
                              f"{t.stride()}; call .contiguous()")
+        if t.numel() and t.data_ptr() % 16:  # TMA configs: a misaligned base is a sticky CUDA error, not a refusal
+            raise ValueError(f"{name} must start at a 16-byte-aligned address (the TMA loads' rule), got one "
+                             f"{t.data_ptr() % 16} bytes past (a view at storage offset {t.storage_offset()}); "
+                             "pass a clone")
     devices = {t.device for t in (a_data, a_scale_inv, b_data, b_scale_inv)}
     if len(devices) != 1:
         raise ValueError(f"all operands must be on one device, got {sorted(map(str, devices))}")
@@ -402,7 +406,9 @@ def blockwise_fp8_gemm(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: 
 
     a_data uint8 E4M3 codes [M, K] (row-major), a_scale_inv fp32 [M, K/128]; b_data uint8 E4M3
     codes [N, K] (row-major, ``nn.Linear`` layout), b_scale_inv fp32 [N/128, K/128]; scales are
-    dequantization multipliers (what ``quantize_fp8_blockwise`` returns), any strides. The result
+    dequantization multipliers (what ``quantize_fp8_blockwise`` returns), any strides. ``a_data`` and
+    ``b_data`` start 16-byte aligned (the TMA configs' rule; a view at an odd storage offset is refused, since
+    a misaligned TMA load is a sticky CUDA error that fails every later call of the process). The result
     is rounded to ``out_dtype`` (bf16, fp16 or fp32) once, at the end; ``out`` may be given.
     ``b_block=(1, 128)``: ``b`` is activation-like (wgrad), b_scale_inv fp32 [N, K/128].
     ``bias`` (a contiguous [N] tensor of ``out_dtype``): added to each row of the fp32 result before that

@@ -95,19 +95,23 @@ def test_fp16_output_within_bound():
     _check(blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float16, config=CFG), a, sa, b, sb)
 
 
+def _integer_operands(M, N, K, seed, b_block):
+    """Integer FP8 values in [-4, 4] with arbitrary fp32 scales (not powers of two) on DEV."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(-4, 5, (M, K), generator=g).float().to(torch.float8_e4m3fn).view(torch.uint8)
+    b = torch.randint(-4, 5, (N, K), generator=g).float().to(torch.float8_e4m3fn).view(torch.uint8)
+    sa = torch.exp(torch.randn(M, K // 128, generator=g))
+    sb = torch.exp(torch.randn(N // b_block[0], K // 128, generator=g))  # per tile, or per row of b (wgrad)
+    return tuple(t.to(DEV) for t in (a, sa, b, sb))
+
+
 @pytest.mark.parametrize("b_block", [(128, 128), (1, 128)], ids=["b_tiles", "b_rows"])
 def test_exact_block_sums_leave_only_the_fp32_promotion_error(b_block):
     """Integer FP8 values in [-4, 4]: every partial sum of a block is an integer below 2**11, exact in
     any accumulator keeping 13 fraction bits (tensor cores) or 24 (fp32). So the inner unit
     roundoff is 0 and the bound is the fp32 promotion alone -- ~(K/128 + 1) * 2**-24 relative, tight
     enough to catch a wrong scale index, a dropped block or a misplaced tile on both backends."""
-    g = torch.Generator().manual_seed(41)
-    M, N, K = 80, 256, 512
-    a = torch.randint(-4, 5, (M, K), generator=g).float().to(torch.float8_e4m3fn).view(torch.uint8)
-    b = torch.randint(-4, 5, (N, K), generator=g).float().to(torch.float8_e4m3fn).view(torch.uint8)
-    sa = torch.exp(torch.randn(M, K // 128, generator=g))  # arbitrary fp32 scales, not powers of two
-    sb = torch.exp(torch.randn(N // b_block[0], K // 128, generator=g))  # per tile, or per row of b (wgrad)
-    a, sa, b, sb = (t.to(DEV) for t in (a, sa, b, sb))
+    a, sa, b, sb = _integer_operands(80, 256, 512, 41, b_block)
     out = blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32, config=CFG, b_block=b_block)
     ratio = _check(out, a, sa, b, sb, inner_u=0.0)
     print(f"exact block sums: max |err| / bound = {ratio:.3g}")
@@ -175,6 +179,14 @@ def test_kernel_variants_in_the_interpreter(variant, b_block):
 # --------------------------------------------------------------------------- argument errors
 
 
+def _shifted(t, offset):
+    """A contiguous copy of ``t`` that starts ``offset`` bytes into its allocation (which is 16-byte aligned)."""
+    buf = torch.empty(t.numel() + offset, dtype=t.dtype, device=t.device)
+    out = buf[offset:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
 def _good(M=8, N=128, K=256):
     a = torch.zeros(M, K, dtype=torch.uint8, device=DEV)
     b = torch.zeros(N, K, dtype=torch.uint8, device=DEV)
@@ -193,6 +205,8 @@ def _good(M=8, N=128, K=256):
     (lambda a, sa, b, sb: (a, sa[:, :1], b, sb), r"a_scale_inv must have shape \(8, 2\)"),
     (lambda a, sa, b, sb: (a, sa, b, sb.t()), r"b_scale_inv must have shape \(1, 2\)"),
     (lambda a, sa, b, sb: (torch.zeros(256, 8, dtype=torch.uint8, device=DEV).t(), sa, b, sb), "row-major"),
+    (lambda a, sa, b, sb: (_shifted(a, 8), sa, b, sb), "a_data must start at a 16-byte-aligned address"),
+    (lambda a, sa, b, sb: (a, sa, _shifted(b, 1), sb), "b_data must start at a 16-byte-aligned address"),
 ])
 def test_bad_operands_raise_naming_the_rule(break_it, match):
     with pytest.raises(ValueError, match=match):
@@ -290,11 +304,19 @@ def test_compiled_kernel_uses_fp8_tensor_cores(compile_ptx):
 # --------------------------------------------------------------------------- GPU only
 
 
+_ALL_CONFIGS = [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
+                for c in tuning_configs(all_variants=True)]
+
+
+def _cfg_id(c) -> str:
+    if c is None:
+        return "autotuned"
+    return (f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}{'tma' * c['USE_TMA']}"
+            f"{'P' + str(c['OCCUPANCY']) if c['PERSISTENT'] else ''}g{c['GROUP_M']}{'ws' * c['WS']}")
+
+
 @gpu
-@pytest.mark.parametrize("cfg", [
-    {**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in tuning_configs(all_variants=True)
-], ids=lambda c: f"{c['BLOCK_M']}x{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}{'tma' * c['USE_TMA']}"
-                 f"{'P' + str(c['OCCUPANCY']) if c['PERSISTENT'] else ''}g{c['GROUP_M']}{'ws' * c['WS']}")
+@pytest.mark.parametrize("cfg", _ALL_CONFIGS, ids=_cfg_id)
 @pytest.mark.parametrize("b_block", [(128, 128), (1, 128)], ids=["b_tiles", "b_rows"])
 def test_every_config_within_bound(cfg, b_block):
     # M = 304: ragged for every BLOCK_M; M, N, K/128 multiples of 16 and bf16 out: the same compiled
@@ -308,6 +330,18 @@ def test_every_config_within_bound(cfg, b_block):
 def test_autotuned_within_bound(b_block):
     a, sa, b, sb = _operands(304, 512, 2048, 72, b_block=b_block)
     _check(blockwise_fp8_gemm(a, sa, b, sb, b_block=b_block), a, sa, b, sb)
+
+
+@gpu
+@pytest.mark.parametrize("cfg", [None, *_ALL_CONFIGS], ids=_cfg_id)
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)], ids=["b_tiles", "b_rows"])
+def test_every_config_exact_on_integer_blocks(cfg, b_block):
+    """The exact integer-block test (bound = the fp32 promotion alone) for every config and the autotuner's
+    choice: the Gaussian tests' bound (tensor cores' unit roundoff inside a block) is loose enough to miss a
+    dropped k-block or a scale read from a neighbouring tile; this one is not. Shapes as the benchmark's."""
+    a, sa, b, sb = _integer_operands(304, 512, 2048, 73, b_block)
+    out = blockwise_fp8_gemm(a, sa, b, sb, out_dtype=torch.float32, config=cfg, b_block=b_block)
+    _check(out, a, sa, b, sb, inner_u=0.0)
 
 
 def _torch_blockwise(a, sa, b, sb, out_dtype=torch.float32):

@@ -339,6 +339,22 @@ def _f8(shape, fmt="e4m3", seed=0):
     return CurrentScaling(fmt).quantize(_spread(shape, seed, "cpu"))
 
 
+def _codes(t):
+    return t.raw_buffers()["data"]
+
+
+def _shifted(t, offset, device="cpu"):
+    """A contiguous copy of ``t`` starting ``offset`` bytes into its (16-byte aligned) allocation."""
+    out = torch.empty(t.numel() + offset, dtype=t.dtype, device=device)[offset:].view(t.shape)
+    return out.copy_(t)
+
+
+def _wider(t, extra, device="cpu"):
+    """``t`` as a view into a tensor ``extra`` columns wider: row stride K + extra."""
+    out = torch.empty(t.shape[0], t.shape[1] + extra, dtype=t.dtype, device=device)[:, :t.shape[1]]
+    return out.copy_(t)
+
+
 A, W = _f8((32, 64)), _f8((48, 64))
 BAD_CALLS = {
     "B row-major": (lambda: fp8_mm(A, W.t().contiguous(), out_dtype=torch.float32), "B column-major"),
@@ -406,6 +422,17 @@ BAD_CALLS = {
     "blockwise codes out fp64": (lambda: scaled_mm_module.check_blockwise_codes(
         torch.zeros(16, 128, dtype=torch.uint8), torch.ones(16, 1), torch.zeros(128, 128, dtype=torch.uint8),
         torch.ones(1, 1), torch.float64), "output dtype"),
+    "A misaligned": (lambda: scaled_mm_module.check_fp8_gemm(_shifted(_codes(A), 8), _codes(W).t(), "e4m3", "e4m3",
+                                                             torch.float32), "16-byte aligned operands"),
+    "B misaligned": (lambda: scaled_mm_module.check_fp8_gemm(_codes(A), _shifted(_codes(W), 1).t(), "e4m3", "e4m3",
+                                                             torch.float32), "16-byte aligned operands"),
+    "lda not x16": (lambda: scaled_mm_module.check_fp8_gemm(_wider(_codes(A), 8), _codes(W).t(), "e4m3", "e4m3",
+                                                            torch.float32), "leading dimension a multiple of 16"),
+    "ldb not x16": (lambda: scaled_mm_module.check_fp8_gemm(_codes(A), _wider(_codes(W), 4).t(), "e4m3", "e4m3",
+                                                            torch.float32), "leading dimension a multiple of 16"),
+    "blockwise codes misaligned": (lambda: scaled_mm_module.check_blockwise_codes(
+        _shifted(torch.zeros(16, 128, dtype=torch.uint8), 4), torch.ones(16, 1),
+        torch.zeros(128, 128, dtype=torch.uint8), torch.ones(1, 1), torch.float32), "16-byte aligned operands"),
     "emulated K": (lambda: emulated_mm(A, _f8((48, 32))), "shapes"),
     "emulated out fp64": (lambda: emulated_mm(A, W, out_dtype=torch.float64), "output dtype"),
 }
@@ -417,6 +444,28 @@ def test_a_broken_rule_is_named_with_its_fix(case):
     with pytest.raises(FP8LayoutError, match=rule) as info:
         call()
     assert "Fix:" in str(info.value)
+
+
+@pytest.mark.parametrize("device,backend", _cases("tensorwise"))
+def test_aligned_views_are_accepted_and_equal_the_contiguous_product(device, backend):
+    """The alignment rule refuses only what cuBLASLt / TMA cannot read: a view 16 bytes in, or with rows
+    K + 16 apart, passes the rules and gives the contiguous operands' product (integer codes: exact in any
+    accumulation order, so bit for bit on the tensor cores too)."""
+    g = torch.Generator().manual_seed(5)
+    a, w = (torch.randint(-4, 5, shape, generator=g).float().to(torch.float8_e4m3fn).view(torch.uint8)
+            for shape in ((32, 64), (48, 64)))
+    one = torch.ones((), device=device)
+
+    def product(a2, w2):
+        a2, w2 = a2.to(device), w2.to(device)  # no copy where they are there already (the views stay views)
+        scaled_mm_module.check_fp8_gemm(a2, w2.t(), "e4m3", "e4m3", torch.float32)
+        return scaled_mm_module.fp8_mm_codes(a2, "e4m3", one, w2.t(), "e4m3", one, out_dtype=torch.float32,
+                                             backend=backend)
+
+    want = product(a, w)
+    for a2, w2 in ((_shifted(a, 16, device), _shifted(w, 32, device)), (_wider(a, 16, device), _wider(w, 48, device))):
+        assert a2.device.type == device and a2.data_ptr() % 16 == 0
+        assert torch.equal(product(a2, w2), want)
 
 
 def test_m_is_free_for_per_tensor_scales():

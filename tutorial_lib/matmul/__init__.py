@@ -5,6 +5,8 @@
                     per-tensor / row-wise) and the derived error bound that every GEMM test,
                     the lesson and ``benchmarks/bench_fp8_gemm.py`` compare against
 ``emulation``       the FP8 GEMMs computed in fp32 (exact products, fp32 sums): the CPU path
+``gemm_rules``      the FP8 tensor-core GEMM's rules (layouts, multiples of 16, alignment, scales),
+                    checked on every backend before any GEMM runs
 ``scaled_mm``       torch's ``scaled_mm`` with the repository's quantized buffers
 ``fp8_linear``      ``nn.Linear`` computed with FP8 GEMMs
 ``fp8_recipe``      the FP8 linear's recipe and token rules (``pad_tokens``: exact zero padding)

@@ -55,8 +55,8 @@ rounded up to 4, outputs sliced, for blockwise), at the cost of a padded copy of
 
 Host work. A layer runs on every step, so its Python is lean: operands travel as raw codes + scales
 (no wrapper tensor per GEMM operand), the fprop GEMM -- whose operands come from the caller -- is
-checked against the FP8 rules once per forward (:func:`~tutorial_lib.matmul.scaled_mm.check_fp8_gemm`,
-:func:`~tutorial_lib.matmul.scaled_mm.check_blockwise_codes`), dgrad and wgrad, built here from those
+checked against the FP8 rules once per forward (:func:`~tutorial_lib.matmul.gemm_rules.check_fp8_gemm`,
+:func:`~tutorial_lib.matmul.gemm_rules.check_blockwise_codes`), dgrad and wgrad, built here from those
 checked operands, are not re-checked (:func:`~tutorial_lib.matmul.scaled_mm.fp8_mm_codes`,
 :func:`~tutorial_lib.matmul.scaled_mm.blockwise_mm_codes`), and the :data:`PROFILE_LABELS` ranges exist
 only while a ``torch.profiler`` runs. The results are those of the public checked GEMMs, bit for bit.

@@ -8,25 +8,10 @@ Hopper's (and Ada's) FP8 tensor cores, reached from PyTorch through ``torch._sca
 
 products of two FP8 values are exact, the sum runs in the tensor core's accumulator, and the
 scales are applied in the epilogue. What the hardware path accepts, and what to do otherwise
-(every row is checked here, on every backend, BEFORE anything is called -- a CPU run of
-``torch._scaled_mm`` accepts layouts CUDA rejects, so it proves nothing about them)::
+(:mod:`tutorial_lib.matmul.gemm_rules`: every rule -- layouts, K and N multiples of 16, 16-byte
+alignment, formats, scales, output dtype, bias -- checked on every backend BEFORE anything is called)::
 
-    rule                  requirement                                        fix when broken
-    --------------------  -------------------------------------------------  ----------------------------------
-    A row-major           A.stride() == (lda >= K, 1)                        quantize/pass a contiguous A
-    B column-major        B.stride() == (1, ldb >= K): B = W.t() of a         pass w.t() of the row-major weight,
-                          row-major weight W [N, K]                          or b.t().contiguous().t() (a copy)
-    K, N multiples of 16  (M is free: any number of rows)                    pad K / N with zeros
-    formats               E4M3xE4M3, E4M3xE5M2, E5M2xE4M3; NOT E5M2xE5M2      weights/activations E4M3, grads E5M2
-    scales, per-tensor    fp32, one element each (0-d, [1] or [1, 1])
-    scales, row-wise      fp32 scale_a [M, 1] and scale_b [1, N], contiguous   (also E5M2 x E4M3 on sm_90)
-    out dtype             bf16, fp16 or fp32 (an FP8 output exists; not     row-wise fp32: not on every GPU,
-                          used here)                                         see fp8_mm_rowwise (unchecked)
-    bias (optional)       [N], contiguous, of the out dtype; added to the fp32  torch's _scaled_mm refuses it with
-                          result before its one rounding (the epilogue)      an fp32 output: we add after (same value)
-    use_fast_accum        keep the whole K sum in the tensor core's reduced-precision accumulator;
-                          False promotes partial sums to fp32 (the default, and always for grads)
-    device                CUDA, compute capability >= 8.9 (tensor cores with FP8)
+    A row-major [M, K] (lda >= K)  x  B column-major [K, N]: B = W.t() of a row-major weight W [N, K]
 
 FP8 *blockwise* (1x128 activations x 128x128 weights, one fp32 scale per block, cuBLASLt on
 sm_90 only, torch built for CUDA >= 12.9) has its own rules, see :func:`blockwise_mm`: E4M3 only, K a
@@ -82,6 +67,16 @@ import tutorial_kernels.fp8_gemm as fp8_gemm_kernels
 
 from tutorial_lib.matmul.emulation import BLOCK as _BLOCK
 from tutorial_lib.matmul.emulation import blockwise_emulated, scaled_emulated
+from tutorial_lib.matmul.gemm_rules import (
+    OUT_DTYPES,
+    FP8LayoutError,
+    _check_bias,
+    _check_rowwise_scale,
+    _check_tensorwise_scale,
+    _fail,
+    check_blockwise_codes,
+    check_fp8_gemm,
+)
 from tutorial_lib.quant.blockwise import FP8Blockwise1x128Tensor, FP8Blockwise128x128Tensor
 from tutorial_lib.quant.float8 import FP8_DTYPES, Float8Tensor
 from tutorial_lib.quant.rowwise import RowwiseFP8, quantize_rowwise
@@ -94,15 +89,9 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "torch", "triton", "emulated")
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-"""Output dtypes every path supports (the tensor cores also write FP8, which this module does not use)."""
 
 GEMM_CALLS: collections.Counter = collections.Counter()
 """``(scaling, backend) -> calls``: scaling is "tensorwise", "rowwise", "1x128x128x128" or "1x128x1x128"."""
-
-
-class FP8LayoutError(ValueError):
-    """An operand breaks a rule of the FP8 tensor-core GEMM; the message names the rule and the fix."""
 
 
 # ----------------------------------------------------------------------------- which hardware
@@ -176,86 +165,6 @@ def _resolve(scaling: str, backend: str, device: torch.device) -> str:
                          f"{'.'.join(map(str, BLOCKWISE_MIN_CUDA))} (this one: {torch.version.cuda}) and "
                          f"torch.nn.functional.scaled_mm (device {device}): use backend='emulated' (or 'triton')")
     return backend
-
-
-# ----------------------------------------------------------------------------- the rules
-
-
-def _fail(rule: str, got: str, fix: str) -> None:
-    raise FP8LayoutError(f"FP8 GEMM rule '{rule}' broken: {got}. Fix: {fix}")
-
-
-def _is_row_major(t: torch.Tensor) -> bool:
-    rows, cols = t.shape
-    return (t.stride(1) == 1 or cols <= 1) and (t.stride(0) >= max(1, cols) or rows <= 1)
-
-
-def _is_col_major(t: torch.Tensor) -> bool:
-    rows, cols = t.shape
-    return (t.stride(0) == 1 or rows <= 1) and (t.stride(1) >= max(1, rows) or cols <= 1)
-
-
-def check_fp8_gemm(a_data: torch.Tensor, b_data: torch.Tensor, a_fmt: str, b_fmt: str, out_dtype: torch.dtype) -> None:
-    """Raise :class:`FP8LayoutError` unless ``a_data @ b_data`` (uint8 codes) is a valid FP8 tensor-core GEMM."""
-    for name, t in (("A", a_data), ("B", b_data)):
-        if t.dim() != 2:
-            _fail("2-D operands", f"{name} has shape {list(t.shape)}",
-                  "flatten the leading dims first (x.reshape(-1, x.shape[-1]) of a contiguous x)")
-        if t.dtype != torch.uint8:
-            _fail("FP8 codes", f"{name} holds {t.dtype}", "quantize it (codes are stored as uint8)")
-    (m, k), (k2, n) = a_data.shape, b_data.shape
-    if k != k2:
-        _fail("shapes", f"A is [{m}, {k}] and B is [{k2}, {n}]", "B must be [K, N] for A [M, K] (B = W.t())")
-    if a_data.device != b_data.device:
-        _fail("one device", f"A on {a_data.device}, B on {b_data.device}", "move both to one device")
-    if not _is_row_major(a_data):
-        _fail("A row-major", f"A [{m}, {k}] has strides {a_data.stride()} (need (>= {k}, 1))",
-              "pass a contiguous A (a transposed A needs a transposed copy of its codes: a.t().contiguous())")
-    if not _is_col_major(b_data):
-        _fail("B column-major", f"B [{k}, {n}] has strides {b_data.stride()} (need (1, >= {k}))",
-              "pass B = w.t() of the row-major weight w [N, K] (not w.t().contiguous()); a row-major B "
-              "needs a transposed copy of its codes: b.t().contiguous().t()")
-    if k % 16 or n % 16:
-        _fail("K and N multiples of 16", f"K={k}, N={n}", "pad K and N to multiples of 16 with zeros (M is free)")
-    for name, fmt in (("A", a_fmt), ("B", b_fmt)):
-        if fmt not in FP8_DTYPES:
-            _fail("FP8 formats", f"{name} is {fmt!r}", f"use one of {sorted(FP8_DTYPES)}")
-    if a_fmt == "e5m2" and b_fmt == "e5m2":
-        _fail("no E5M2 x E5M2", "both operands are E5M2",
-              "quantize one operand to E4M3 (hybrid recipe: gradients E5M2 x weights/activations E4M3)")
-    if out_dtype not in OUT_DTYPES:
-        _fail("output dtype", f"out_dtype={out_dtype}", f"use one of {list(OUT_DTYPES)}")
-
-
-def _check_tensorwise_scale(name: str, s: torch.Tensor, device) -> None:
-    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or s.numel() != 1:
-        got = f"{s.dtype} of shape {list(s.shape)}" if isinstance(s, torch.Tensor) else type(s).__name__
-        _fail("fp32 per-tensor scales", f"scale_{name} is {got}", "pass one fp32 value (0-d, [1] or [1, 1])")
-    if s.device != torch.device(device):
-        _fail("one device", f"scale_{name} on {s.device}, operands on {device}", "move the scale to the operands")
-
-
-def _check_rowwise_scale(name: str, s: torch.Tensor, shape: tuple[int, int], device) -> None:
-    if s.dtype != torch.float32 or tuple(s.shape) != shape or not s.is_contiguous():
-        _fail("row-wise scales", f"scale_{name} is {s.dtype} {list(s.shape)} strides {s.stride()}",
-              f"pass a contiguous fp32 scale_{name} of shape {list(shape)} (scale_a [M, 1], scale_b [1, N])")
-    if s.device != torch.device(device):
-        _fail("one device", f"scale_{name} on {s.device}, operands on {device}", "move the scale to the operands")
-
-
-def _check_bias(bias, n: int, out_dtype: torch.dtype, device) -> None:
-    """The bias rule: None, or a contiguous [N] tensor of the output dtype on the operands' device."""
-    if bias is None:
-        return
-    if not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != n:
-        got = f"{bias.dtype} of shape {list(bias.shape)}" if isinstance(bias, torch.Tensor) else type(bias).__name__
-        _fail("bias [N]", f"bias is {got}, N={n}", f"pass a 1-D bias of the {n} output columns")
-    if bias.dtype != out_dtype:
-        _fail("bias in the output dtype", f"bias is {bias.dtype}, out_dtype={out_dtype}",
-              f"pass bias.to({out_dtype}) (the GEMM adds it to its fp32 result, then rounds once to {out_dtype})")
-    if bias.device != torch.device(device) or not bias.is_contiguous():
-        _fail("bias contiguous, on the operands' device", f"bias on {bias.device}, strides {bias.stride()}",
-              f"pass bias.contiguous() on {device}")
 
 
 # ----------------------------------------------------------------------------- the GEMMs
@@ -348,51 +257,6 @@ def _check_blockwise(a, w, out_dtype, use_fast_accum: bool) -> None:
     ab, wb = a.raw_buffers(), w.raw_buffers()
     check_blockwise_codes(ab["data"], ab["scale_inv"], wb["data"], wb["scale_inv"], out_dtype, use_fast_accum,
                           w_block=tuple(w.block))
-
-
-def check_blockwise_codes(a_data: torch.Tensor, a_scale_inv: torch.Tensor, w_data: torch.Tensor,
-                          w_scale_inv: torch.Tensor, out_dtype: torch.dtype, use_fast_accum: bool = False, *,
-                          w_block: tuple[int, int] = (_BLOCK, _BLOCK)) -> None:
-    """Raise :class:`FP8LayoutError` unless the buffers of ``a`` (1x128 blocks) and ``w`` (``w_block``: 128x128
-    tiles or 1x128 blocks) make a valid blockwise GEMM ``a @ w.T`` (the rules of :func:`blockwise_mm`, checked on
-    its raw buffers): uint8 codes, K a multiple of 128, fp32 scales of shapes [M, K/128] and
-    [N / w_block[0], K/128] -- every backend, the emulation included, then reads every k-block."""
-    for name, data, scale in (("a", a_data, a_scale_inv), ("w", w_data, w_scale_inv)):
-        if data.dim() != 2:
-            _fail("2-D operands", f"{name} has shape {list(data.shape)}", "flatten the leading dims first")
-        if not (data.is_contiguous() and scale.is_contiguous()):
-            _fail("row-major blockwise operands",
-                  f"{name}'s codes/scales have strides {data.stride()}/{scale.stride()}",
-                  f"quantize a row-major {name} (a transposed blockwise tensor needs its codes and scales "
-                  "transposed: .t().contiguous() of both buffers, exact for 128x128 tiles only)")
-    (m, k), (n, k2) = a_data.shape, w_data.shape
-    if k != k2:
-        _fail("shapes", f"a is [{m}, {k}] and w is [{n}, {k2}]", "blockwise_mm computes a @ w.T: w is [N, K]")
-    if a_data.device != w_data.device:
-        _fail("one device", f"a on {a_data.device}, w on {w_data.device}", "move both to one device")
-    if a_data.dtype != torch.uint8 or w_data.dtype != torch.uint8:
-        _fail("FP8 codes", f"a and w codes are {a_data.dtype} and {w_data.dtype}", "pass the uint8 E4M3 codes")
-    if k % _BLOCK:
-        _fail("K multiple of 128", f"K={k}", "pad K to a multiple of 128: the 1x128 blocks must tile it (a tail "
-              "would be dropped)")
-    w_block = tuple(w_block)
-    if w_block not in ((_BLOCK, _BLOCK), (1, _BLOCK)):
-        _fail("w blocks of 128x128 or 1x128", f"w_block={w_block}", "quantize w in one of those blocks")
-    for name, scale, want, what in (("a", a_scale_inv, (m, k // _BLOCK), "1x128 block"),
-                                    ("w", w_scale_inv, (n // w_block[0], k // _BLOCK), f"{w_block[0]}x128 block")):
-        if scale.dtype != torch.float32 or tuple(scale.shape) != want:
-            _fail("fp32 scales, one per block", f"{name}'s scales are {scale.dtype} {list(scale.shape)}",
-                  f"pass fp32 scales of shape {list(want)} (one per {what})")
-    if n % 16:
-        _fail("K and N multiples of 16", f"N={n}", "pad N to a multiple of 16 (K is a multiple of 128 already)")
-    if m % 4:
-        _fail("blockwise M multiple of 4", f"M={m} (cuBLASLt keeps the 1x128 scales M-major, each column of "
-              "them 16-byte aligned)", "pad the rows of a to a multiple of 4")
-    if use_fast_accum:
-        _fail("no fast accumulation with block scales", "use_fast_accum=True",
-              "use_fast_accum=False: block scaling promotes every 128-wide partial sum to fp32 anyway")
-    if out_dtype not in OUT_DTYPES:
-        _fail("output dtype", f"out_dtype={out_dtype}", f"use one of {list(OUT_DTYPES)}")
 
 
 def _outer_major(s: torch.Tensor) -> torch.Tensor:
