@@ -5,7 +5,10 @@ fp32 -> bf16 with its own bit-field rounding: carries into the next exponent are
 ties round away from zero, an E4M3 NaN becomes a finite code and out-of-range values land on
 codes that decode to NaN, inf or a wrong finite value (Triton 3.x). Compiled for a GPU,
 ``.to(tl.float8e4nv)`` is the hardware's ``cvt.rn.satfinite`` (RNE, +-inf and overflow -> +-max,
-NaN -> NaN): already right.
+NaN -> NaN): already right -- except for the sign of a NaN, which ``cvt`` drops (code 0x7F for -NaN too,
+measured on an H100 with Triton 3.6, where torch's CUDA cast writes 0xFF). A NaN's sign carries no
+information, and after ``x * scale`` it is platform-dependent anyway, so nothing here restores it: compare
+NaN codes canonicalized (``tests/kernels/test_fp8_cast_kernels.py`` does).
 
 So ``encode_fp8`` picks per backend (the constexpr ``INTERPRETED``, fixed at import, like
 ``@triton.jit`` itself):
@@ -28,14 +31,15 @@ selects (``setp``/``selp``). Only there: the selects cost issue slots, and every
 keeps the one-instruction clamp. The PTX tests keep ``min.NaN``/``max.NaN`` out of the transposing
 kernels.
 
-Both give the bytes of torch's ``x.clamp(-max, max).to(fp8)``; tests check each backend, and
-``tests/kernels/test_fp8_cast_kernels.py`` also runs ``round_to_fp8_grid`` compiled on GPUs.
+Both give the bytes of torch's ``x.clamp(-max, max).to(fp8)`` (NaN codes up to their sign); tests check each
+backend, and ``tests/kernels/test_fp8_cast_kernels.py`` also runs ``round_to_fp8_grid`` compiled on GPUs.
 
 API (``FMT`` is the constexpr string ``"e4m3"`` or ``"e5m2"``)::
 
     round_to_fp8_grid(x, FMT) -> fp32   RNE onto the grid; |x| > max and +-inf -> +-max
                                         (satfinite); NaN stays NaN; -0.0 stays -0.0
-    encode_fp8(x, FMT)        -> uint8  FP8 codes of fp32 x (satfinite RNE); NaN -> 0x7F | sign
+    encode_fp8(x, FMT)        -> uint8  FP8 codes of fp32 x (satfinite RNE); NaN -> 0x7F | sign in the
+                                        interpreter, 0x7F compiled
     decode_fp8(codes, FMT)    -> fp32   exact values of uint8 codes (inf/NaN right on both backends)
     round_to_bf16_grid(x)     -> fp32   RNE onto the bf16 grid
     to_bf16(x)                -> bf16   RNE fp32 -> bf16 on both backends, subnormals included
