@@ -32,6 +32,9 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(7,), (3, 5), (0,), (130,), (64,), (1,), (2, 0, 3), (200,)]  # odd, empty, several 64-blocks
 BLOCK = 64  # several programs and a masked tail per tensor, cheap in the interpreter
 HP = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+# beta1 <= 0.5 takes the second branch of torch's lerp (end - (end - self) * (1 - w)); 0.5 itself is where the
+# two branches agree, so only a beta1 below it can tell a wrong weight in that branch from the right one
+BETAS = [(0.9, 0.999), (0.3, 0.999), (0.0, 0.99)]
 
 
 def _rand(shape, seed, dtype=torch.float32, scale=1.0):
@@ -97,26 +100,30 @@ def test_bytes_per_element_of_fp32_and_fp8_adam():
 # --------------------------------------------------------------------------- fp32 kernels
 
 
-def test_single_tensor_kernel_matches_reference():
+@pytest.mark.parametrize("betas", BETAS, ids=lambda b: f"beta1={b[0]}")
+def test_single_tensor_kernel_matches_reference(betas):
+    hp = {**HP, "betas": betas}
     p, m, v = _rand((300,), 1), torch.zeros(300, device=DEV), torch.zeros(300, device=DEV)
     rp, rm, rv = p.clone(), m.clone(), v.clone()
     for step in range(1, 11):
         g = _rand((300,), 50 + step)
-        k.adamw_single_tensor_(p, g, m, v, step, block=128, **HP)
-        adamw_reference_step_(rp, g, rm, rv, step, **HP)
+        k.adamw_single_tensor_(p, g, m, v, step, block=128, **hp)
+        adamw_reference_step_(rp, g, rm, rv, step, **hp)
     _close(p, rp)
     _close_state(m, rm)
     _close_state(v, rv)
 
 
-def test_multi_tensor_fp32_matches_reference_over_12_steps():
+@pytest.mark.parametrize("betas", BETAS, ids=lambda b: f"beta1={b[0]}")
+def test_multi_tensor_fp32_matches_reference_over_12_steps(betas):
+    hp = {**HP, "betas": betas}
     params, ms, vs = _state(SHAPES, 2)
     ref = [(p.clone(), m.clone(), v.clone()) for p, m, v in zip(params, ms, vs)]
     for step in range(1, 13):
         grads = [_rand(s, 1000 * step + i) for i, s in enumerate(SHAPES)]
-        tables = k.fused_adamw_(params, grads, ms, vs, [step] * len(SHAPES), block=BLOCK, **HP)
+        tables = k.fused_adamw_(params, grads, ms, vs, [step] * len(SHAPES), block=BLOCK, **hp)
         for (rp, rm, rv), g in zip(ref, grads):
-            adamw_reference_step_(rp, g, rm, rv, step, **HP)
+            adamw_reference_step_(rp, g, rm, rv, step, **hp)
     assert tables.n_tensors == len(SHAPES)
     assert tables.n_chunks == sum(-(-p.numel() // BLOCK) for p in params)  # empty tensors: no program
     for p, m, v, (rp, rm, rv) in zip(params, ms, vs, ref):

@@ -45,12 +45,13 @@ def _close(a, b, lr=LR):
 # --------------------------------------------------------------------------- plain parameters
 
 
-def test_fp32_matches_torch_adamw_two_groups_skipped_grads_and_frozen_params():
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.3, 0.99)], ids=["beta1=0.9", "beta1=0.3"])  # 0.3: lerp's 2nd branch
+def test_fp32_matches_torch_adamw_two_groups_skipped_grads_and_frozen_params(betas):
     ours, theirs = _params(SHAPES, 0), _params(SHAPES, 0)
     frozen = torch.nn.Parameter(torch.ones(3, device=DEV), requires_grad=False)
     groups = lambda ps, extra: [{"params": ps[:3] + extra}, {"params": ps[3:], "lr": 3e-2, "weight_decay": 0.0}]  # noqa: E731
-    opt = FusedAdam(groups(ours, [frozen]), lr=LR, weight_decay=WD, block=BLOCK)
-    ref = torch.optim.AdamW(groups(theirs, []), lr=LR, weight_decay=WD, foreach=False)
+    opt = FusedAdam(groups(ours, [frozen]), lr=LR, betas=betas, weight_decay=WD, block=BLOCK)
+    ref = torch.optim.AdamW(groups(theirs, []), lr=LR, betas=betas, weight_decay=WD, foreach=False)
     for step in range(12):
         for i, (a, b) in enumerate(zip(ours, theirs)):
             g = _grad(a.shape, 100 * step + i)

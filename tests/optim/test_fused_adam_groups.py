@@ -128,11 +128,12 @@ def test_load_state_dict_runs_torchs_load_hooks():
 
 def test_capturable_follows_betas_moved_by_a_scheduler():
     """OneCycleLR(cycle_momentum=True) writes a new beta1 into the group every step: the device-side bias
-    corrections of a capturable step must use it, as the host path and torch.optim.AdamW do."""
+    corrections of a capturable step must use it, as the host path and torch.optim.AdamW do. base_momentum 0.3:
+    beta1 goes below 0.5, into the second branch of the moment's lerp (at 0.5 exactly both branches agree)."""
     ours, theirs = _twins([7, 130], 2)
     opt = FusedAdam(ours, lr=LR, weight_decay=0.1, capturable=True)
     ref = torch.optim.AdamW(theirs, lr=LR, weight_decay=0.1, foreach=False)
-    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=LR, total_steps=10, base_momentum=0.5,
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=LR, total_steps=10, base_momentum=0.3,
                                                   max_momentum=0.95) for o in (opt, ref)]
     for step in range(6):
         _set_grads(ours, theirs, step)

@@ -16,6 +16,7 @@ from tutorial_lib.quant.nvfp4 import (
     NVFP4Tensor,
     NVFP4Tensor16x16,
     dequantize_nvfp4,
+    nvfp4_global_scale_inv,
     pack_fp4,
     quantize_nvfp4,
     unpack_fp4,
@@ -41,6 +42,20 @@ def test_hand_computed_blocks():
     assert data[0, 0].item() == 0x07
     assert data[0, 8:10].tolist() == [7 | (5 << 4), 0b1010 | (1 << 4)]
     assert data[0, 16:18].tolist() == [7 | (4 << 4), 2 | (0b1001 << 4)]
+
+
+def test_global_scale_is_the_correctly_rounded_quotient():
+    """amax / 2688 rounded ONCE (an IEEE division), bit for bit the float64 quotient rounded to fp32 -- not
+    amax * fp32(1/2688), which is 1 ulp off for about a fifth of amaxes and would make CPU and GPU bytes differ.
+    Random and log-spaced amaxes over fp32's normal range (2688 = 448 * 6 alone would pass either way)."""
+    g = torch.Generator().manual_seed(17)
+    amax = torch.cat([torch.rand(400, generator=g) * 1e3 + 1e-3,
+                      torch.exp2(torch.linspace(-100.0, 100.0, 401)) * (1 + torch.rand(401, generator=g))])
+    got = torch.stack([nvfp4_global_scale_inv(a) for a in amax])
+    want = (amax.double() / 2688.0).float()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    recip = amax * (1.0 / 2688.0)
+    assert bool((recip != want).any()), "the inputs must tell the division from the reciprocal multiply"
 
 
 def test_pack_order_and_round_trip():
