@@ -31,7 +31,7 @@ RANK_FUNCTIONS = {
     "fused_adam_pitfalls": ["unwrap_pitfall", "raw_pointer_route", "loss_went_down", "master_seeding_drift"],
     "fp8_matmuls": ["train_compare_fp8", "step_breakdown"],
     "fp8_step_benchmark": ["fsdp2_step_benchmark"],
-    "dcp_pitfalls": ["checkpoint_run", "load_unsharded", "reshard_load_run"],
+    "dcp_pitfalls": ["checkpoint_run", "load_unsharded", "reshard_load_run", "unreduced_amax_run"],
     "dcp_formats": ["format_matrix_run"],
     "benchmarks": ["amax_reduce_compare", "fsdp2_step_profile", "collective_cost"],
     "end_to_end_training": ["train_runs", "main_grad_pitfall", "accumulation_check"],

@@ -13,6 +13,8 @@ exercises both optimizer routes and the quantizer state::
                                             from checkpoint_run's snapshots
     load_unsharded(path, cfg, planner)      world size 1, in the calling process: the unsharded twin,
       -> Snapshot                           loaded with our planner or DCP's default one
+    unreduced_amax_run(root)                a delayed-scaling quantizer without its group: plain DCP saves
+      -> UnreducedAmaxResult                one rank's amax history; save_checkpoint refuses, naming it
 
 Every result is a dataclass of CPU tensors and plain values (picklable, so ``launch`` returns it).
 
@@ -49,6 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tutorial_lib.dist.checkpoint import (
+    ReplicatedStateMismatchError,
     clean_quantized,
     load_checkpoint,
     mismatched_keys,
@@ -62,6 +65,7 @@ from tutorial_lib.dist.runtime import deterministic_mode_restored
 from tutorial_lib.dist.training_state import TrainingState, optimizer_step_count
 from tutorial_lib.models import BlockMLP, local_rows
 from tutorial_lib.optim.fused_adam import FusedAdam
+from tutorial_lib.quant.float8 import DelayedScaling
 from tutorial_lib.quant.registry import make_quantizer
 from tutorial_lib.quant.serialization import register_safe_globals
 from tutorial_lib.quant.tensor import QuantizedTensor, is_quantized, local_tensor
@@ -380,3 +384,46 @@ def reshard_load_run(root: str, cfg: RunConfig, expected: dict, mode: str = "syn
     if group is not None:
         dist.barrier(group=waiting)
     return result
+
+
+@dataclasses.dataclass
+class UnreducedAmaxResult:
+    """One rank's outcome of :func:`unreduced_amax_run`."""
+
+    rank: int  # the rank that produced it
+    own_history: list[float]  # this rank's amax history: its quantizer saw only its own shard
+    plain_loaded: list[float]  # the history plain dcp.save + dcp.load gives this rank back
+    refusal: str  # what save_checkpoint raised on this rank ("" if it saved)
+    refused_keys: list[str]  # the keys the refusal names
+
+
+def unreduced_amax_run(root: str) -> UnreducedAmaxResult:
+    """A delayed-scaling quantizer created WITHOUT its shard group (so its amax is not all-reduced) quantizes
+    this rank's shard of a weight whose rows grow with the row index: every rank records a different amax.
+    Its history and scale are plain tensors under the same keys on every rank -- what DCP saves once.
+
+    Saves ``{"w": the sharded weight, "amax_history", "scale"}`` twice: with plain ``dcp.save`` under
+    ``root/plain`` (then loads it back into zeros) and with :func:`save_checkpoint` under ``root/checked``.
+    """
+    mesh, dev = world_mesh(deterministic=True)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(10)
+    full = torch.randn(4 * world, 8, generator=g) * torch.arange(1.0, 4 * world + 1)[:, None]
+    shard = full.chunk(world)[rank].to(dev)
+    q = DelayedScaling(history_len=4)  # group=None: the mistake -- each rank's amax stays its own
+    q.quantize(shard)
+    state = {"w": DTensor.from_local(shard, mesh, (Shard(0),), run_check=False, shape=full.shape,
+                                     stride=full.stride()),
+             "amax_history": q.amax_history.clone(), "scale": q.scale.clone()}
+    dcp.save(state, checkpoint_id=os.path.join(root, "plain"))
+    back = {"w": DTensor.from_local(torch.zeros_like(shard), mesh, (Shard(0),), run_check=False, shape=full.shape,
+                                    stride=full.stride()),
+            "amax_history": torch.zeros_like(state["amax_history"]), "scale": torch.zeros_like(state["scale"])}
+    dcp.load(back, checkpoint_id=os.path.join(root, "plain"))
+    refusal, keys = "", []
+    try:
+        save_checkpoint(state, os.path.join(root, "checked"))
+    except ReplicatedStateMismatchError as exc:
+        refusal, keys = f"{type(exc).__name__}: {exc}", list(exc.keys)
+    return UnreducedAmaxResult(rank=rank, own_history=state["amax_history"].tolist(),
+                               plain_loaded=back["amax_history"].tolist(), refusal=refusal, refused_keys=keys)
