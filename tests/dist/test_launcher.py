@@ -15,7 +15,7 @@ import pytest
 import rank_functions as rf  # tests/dist/rank_functions.py: pytest puts this folder on sys.path
 import torch
 
-from tutorial_lib.dist import launch_progress, launcher
+from tutorial_lib.dist import launch_progress, launch_rank, launcher
 from tutorial_lib.dist.launcher import LaunchTimeout, RankFailed, launch, rank_device
 from tutorial_lib.lessons import start_here
 
@@ -206,7 +206,7 @@ def test_results_reach_the_caller_detached_and_on_the_cpu_in_every_container():
     object.__setattr__(res, "derived", leaf())
     t_in_set = leaf()
     obj = {"list": [leaf()], "tuple": (leaf(),), "pair": Pair(leaf(), [leaf()]), "set": {t_in_set}, "res": res}
-    out = launcher._to_cpu(obj)
+    out = launch_rank._to_cpu(obj)
     assert isinstance(out["pair"], Pair) and isinstance(out["set"], set) and isinstance(out["res"], Res)
     tensors = [out["list"][0], out["tuple"][0], out["pair"].a, out["pair"].b[0], *out["set"], out["res"].x,
                out["res"].derived]

@@ -37,10 +37,13 @@ def _new_children(before):
         time.sleep(0.1)
 
 
-def test_a_main_script_that_fails_in_the_ranks_reports_their_traceback(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fn, args", [(start_here.allreduce_demo, (3,)), (len, (b"x" * 2**20,))],
+                         ids=["small-args", "1MB-args"])
+def test_a_main_script_that_fails_in_the_ranks_reports_their_traceback(tmp_path, monkeypatch, fn, args):
     """A spawned rank runs the caller's main script before any launcher code: its failure there (e.g. a
     script that launches without the ``if __name__ == "__main__"`` guard) is in the launch's exception,
-    not only on the caller's stderr."""
+    not only on the caller's stderr. With a 1 MB argument too: sent through the spawn pipe, an argument
+    larger than the pipe buffer blocked the caller forever once the rank had died (the call goes as a file)."""
     script = tmp_path / "caller_script.py"
     script.write_text('raise ImportError("the main script cannot run in a rank: xyz-main")\n')
     main = types.ModuleType("__main__")
@@ -49,7 +52,7 @@ def test_a_main_script_that_fails_in_the_ranks_reports_their_traceback(tmp_path,
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     start = time.monotonic()
     with pytest.raises(RankFailed) as info:
-        launch(start_here.allreduce_demo, world_size=2, device="cpu", args=(3,), timeout=120, echo=False)
+        launch(fn, world_size=2, device="cpu", args=args, timeout=120, echo=False)
     msg = str(info.value)
     assert info.value.rank in (0, 1) and f"rank {info.value.rank} of 2 " in msg, msg
     assert "ImportError: the main script cannot run in a rank: xyz-main" in msg, msg

@@ -380,9 +380,10 @@ def test_a_training_checkpoint_with_fused_adam_loads_exactly(tmp_path, one_threa
 ALLOWED_UNPICKLING = {
     ("tutorial_lib/dist/launcher.py", "_launch_once"):
         "reads the results its own ranks wrote into the launch's private (0700) temp dir: data of the same run",
-    ("tutorial_lib/dist/launcher.py", "_load_call"):
-        "unpickles, in a rank, the function and arguments its own caller pickled for this launch (what "
-        "multiprocessing's spawn would otherwise unpickle there): data of the same run",
+    ("tutorial_lib/dist/launch_rank.py", "_load_call"):
+        "unpickles, in a rank, the function and arguments its own caller pickled for this launch into the "
+        "launch's private (0700) temp dir (what multiprocessing's spawn would otherwise unpickle there): data of "
+        "the same run",
     ("tutorial_lib/dist/checkpoint_checks.py", "_MetadataUnpickler"):
         "restricted unpickler: find_class resolves only DCP's metadata dataclasses, torch.Size, dtypes and paths",
 }

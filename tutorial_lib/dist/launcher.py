@@ -15,7 +15,8 @@ How it works::
     tmp = mkdtemp("tutorial-launch-")  # mode 0700    stdout/stderr (fd 1, 2): tmp/rank{r}.log (0600)
     sock = socket bound to 127.0.0.1:0 (OS picks)       from its start (the caller's main script, imports)
     store = TCPStore(master_listen_fd=sock)           TMPDIR = tmp/rank{r}.tmp (0700)
-    per rank, fds 1 and 2 -> tmp/rank{r}.log:         GLOO_SOCKET_IFNAME = NCCL_SOCKET_IFNAME = lo
+    pickle (fn, args, kwargs) -> tmp/call.pkl (0600)  GLOO_SOCKET_IFNAME = NCCL_SOCKET_IFNAME = lo
+    per rank, fds 1 and 2 -> tmp/rank{r}.log:         (fn, args, kwargs) = unpickle tmp/call.pkl
       start_processes(_rank_main, nprocs=1)        -> init_process_group(store=TCPStore(port),
     poll: tail logs -> print "[rank r] ..." in cell      timeout=collective_timeout)
           bar of ranks finished (launch_progress)
@@ -40,6 +41,10 @@ Design choices, each for a reason ``tests/dist/test_launcher.py`` exercises:
   many machines) or on ``GLOO_SOCKET_IFNAME``; NCCL's bootstrap on ``NCCL_SOCKET_IFNAME`` or on an
   interface it picks (not loopback while another exists): ranks set both to the loopback interface,
   overriding the environment (all ranks of a launch share one host).
+* **The call goes to the ranks as a file** (``tmp/call.pkl``), not through the spawn pipe, whose writer
+  blocks forever when a rank dies before reading more than the pipe buffer holds (64 KB: an argument with a
+  tensor in it) -- the timeout could not end that (:mod:`tutorial_lib.dist.launch_rank`). The ``timeout``
+  counts from before the ranks are spawned.
 * **Private files**: the temp dir is mode 0700 (``mkdtemp``), results and logs 0600; the caller
   unpickles only the results its own ranks wrote there.
 * **Every rank's output goes to a file the caller tails**, from the rank's first instruction: it is
@@ -71,20 +76,16 @@ Design choices, each for a reason ``tests/dist/test_launcher.py`` exercises:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import os
 import pickle
 import shutil
 import socket
-import sys
 import tempfile
 import time
-import traceback
 import warnings
 from collections.abc import Callable
 from multiprocessing import resource_tracker
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,12 +93,10 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
 
 from tutorial_lib.dist.launch_progress import LogTail, RanksFinished, failure_report, rank_output_to
-from tutorial_lib.dist.runtime import CUBLAS_DETERMINISTIC_WORKSPACE, backend_for, resolve_device
+from tutorial_lib.dist.launch_rank import CALL_FILE, _private_file, _rank_main, rank_device
+from tutorial_lib.dist.runtime import backend_for, resolve_device
 
 __all__ = ["launch", "rank_device", "run_sequence", "LaunchError", "LaunchTimeout", "RankFailed"]
-
-_RANK_DEVICE: torch.device | None = None
-
 
 class LaunchError(RuntimeError):
     """A distributed launch did not produce a result on every rank."""
@@ -119,13 +118,6 @@ class LaunchTimeout(LaunchError, TimeoutError):
     """The launch ran past its ``timeout``; every rank was killed."""
 
 
-def rank_device() -> torch.device:
-    """The device of the calling rank (``cuda:<rank>`` or ``cpu``); only valid inside ``launch``."""
-    if _RANK_DEVICE is None:
-        raise RuntimeError("rank_device() is only available inside a function run by launch()")
-    return _RANK_DEVICE
-
-
 def run_sequence(calls: list) -> list:
     """A rank function that runs several rank functions ``[(fn, kwargs), ...]`` in ONE launch.
 
@@ -140,109 +132,9 @@ def run_sequence(calls: list) -> list:
     return out
 
 
-def _to_cpu(obj: Any) -> Any:
-    """Move tensors in a (nested) result to the CPU so the caller never initialises CUDA: tensors in dicts,
-    lists, tuples (named ones too), sets and dataclasses. A tensor inside any other object travels as it is."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # typed results of rank functions
-        fields = dataclasses.fields(obj)
-        out = dataclasses.replace(obj, **{f.name: _to_cpu(getattr(obj, f.name)) for f in fields if f.init})
-        for f in [f for f in fields if not f.init and hasattr(obj, f.name)]:  # replace() recomputes these
-            object.__setattr__(out, f.name, _to_cpu(getattr(obj, f.name)))  # the rank's values (frozen too)
-        return out
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        items = [_to_cpu(v) for v in obj]  # a namedtuple takes its fields as arguments
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    return obj
-
-
-def _rank_main(_index: int, rank: int, world_size: int, device_type: str, backend: str, port: int, tmp: str,
-               collective_timeout: float, call: bytes, deterministic: bool = True) -> None:
-    """Body of one spawned rank (``_index`` is 0: each rank is started by itself); ``call`` is ``(fn, args,
-    kwargs)`` pickled. Its fds 1 and 2 are its log already. Every exit path ends in ``os._exit``."""
-    global _RANK_DEVICE
-    code = 1
-    try:
-        sys.stdout.reconfigure(line_buffering=True)
-        sys.stderr.reconfigure(line_buffering=True)
-        rank_tmp = os.path.join(tmp, f"rank{rank}.tmp")
-        os.makedirs(rank_tmp, mode=0o700, exist_ok=True)
-        os.environ["TMPDIR"] = rank_tmp
-        tempfile.tempdir = None
-        os.environ.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            # every rank is on this host: gloo's and NCCL's listening sockets on loopback, whatever the
-            # host name resolves to and whatever the environment names for multi-node runs
-            GLOO_SOCKET_IFNAME=_loopback_interface(), NCCL_SOCKET_IFNAME=_loopback_interface(),
-        )
-        if device_type == "cuda":
-            if deterministic:  # before any cuBLAS call: deterministic across streams (lessons compare bits)
-                os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
-            torch.cuda.set_device(rank)
-            _RANK_DEVICE = torch.device("cuda", rank)
-        else:
-            _RANK_DEVICE = torch.device("cpu")
-            if "OMP_NUM_THREADS" not in os.environ:
-                # N ranks each running one thread per core oversubscribe the CPU: elementwise ops
-                # were measured ~100x slower on 2 cores. Share the cores out instead.
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        fn, args, kwargs = _load_call(call)
-        timeout = datetime.timedelta(seconds=collective_timeout)
-        try:
-            _inject_rendezvous_fault(rank)
-            store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-        except BaseException:  # noqa: B036 - marks a failed rendezvous: the launch may be retried
-            open(os.path.join(tmp, f"rank{rank}.rendezvous_failed"), "w").close()
-            raise
-        result = _to_cpu(fn(*args, **kwargs))
-        with _private_file(os.path.join(tmp, f"rank{rank}.result.part")) as fh:
-            pickle.dump(result, fh)
-        os.replace(os.path.join(tmp, f"rank{rank}.result.part"), os.path.join(tmp, f"rank{rank}.result"))
-        dist.destroy_process_group()
-        code = 0
-    except BaseException:  # noqa: B036 - KeyboardInterrupt is how the parent's death reaches us
-        failed_at = time.time_ns()
-        with _private_file(os.path.join(tmp, f"rank{rank}.error")) as fh:
-            fh.write(traceback.format_exc().encode())
-        os.utime(os.path.join(tmp, f"rank{rank}.error"), ns=(failed_at, failed_at))  # when it raised, for the caller
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def _load_call(call: bytes) -> tuple:
-    """The rank function and its arguments, unpickled here rather than by multiprocessing before
-    ``_rank_main`` runs, so that a failure to import them reaches the caller as this rank's traceback."""
-    try:
-        return pickle.loads(call)  # pickled for this launch by its own caller
-    except Exception as exc:
-        raise RuntimeError("this rank cannot unpickle the function or its arguments: a class or function defined "
-                           "in a notebook or a script run as __main__ cannot be imported by a spawned rank (move "
-                           "it into an importable module), nor one whose module fails to import in a rank; "
-                           f"the error: {type(exc).__name__}: {exc}") from exc
-
-
 def _name(fn: Callable) -> str:
     """A rank function's name for messages (a ``functools.partial`` has no ``__qualname__``)."""
     return getattr(fn, "__qualname__", None) or repr(fn)
-
-
-def _private_file(path: str):
-    """A file only this user can read (created with mode 0600; a umask can only narrow it), for binary writing."""
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
-
-
-def _loopback_interface() -> str:
-    """The loopback interface's name: ``lo`` on Linux, ``lo0`` on macOS and the BSDs."""
-    names = {name for _, name in socket.if_nameindex()}
-    return next((n for n in ("lo", "lo0") if n in names), "lo")
 
 
 # TCPStore's default (libuv) server honours master_listen_fd since spring 2025 (torch 2.8;
@@ -278,15 +170,6 @@ def _loopback_store(world_size: int, timeout: datetime.timedelta) -> dist.TCPSto
         RuntimeWarning, stacklevel=4,
     )
     return dist.TCPStore("127.0.0.1", 0, world_size, True, timeout, wait_for_workers=False)
-
-
-def _inject_rendezvous_fault(rank: int) -> None:
-    """Fault injection for the launcher's tests: if ``TUTORIAL_LAUNCH_FAULT`` names a file that does
-    not exist yet, rank 1 creates it and fails its rendezvous (so exactly one attempt fails)."""
-    path = os.environ.get("TUTORIAL_LAUNCH_FAULT")
-    if path and rank == 1 and not os.path.exists(path):
-        open(path, "w").close()
-        raise RuntimeError("Gloo connectFullMesh failed (injected by TUTORIAL_LAUNCH_FAULT)")
 
 
 def _stop(context: mp.ProcessContext, grace: float = 3.0) -> None:
@@ -450,12 +333,14 @@ def _launch_once(fn, world_size, dev, backend, args, kwargs, timeout, collective
         raise
     context = finished = None
     try:
+        deadline = time.monotonic() + timeout  # from before the spawn: starting the ranks counts too
+        with _private_file(os.path.join(tmp, CALL_FILE)) as fh:  # a file, not the spawn pipe: see launch_rank
+            fh.write(call)
         finished = RanksFinished([os.path.join(tmp, f"rank{r}.result") for r in range(world_size)], _name(fn))
         tail = LogTail(tmp, world_size, echo, write=finished.note)
         with _rank_environment(dev):
-            rank_args = (world_size, dev.type, backend, store.port, tmp, collective_timeout, call, deterministic)
+            rank_args = (world_size, dev.type, backend, store.port, tmp, collective_timeout, deterministic)
             context = _start_ranks(world_size, tmp, rank_args)
-        deadline = time.monotonic() + timeout
         while True:
             tail.pump()
             finished.poll()  # the bar of ranks finished (quiet in executed notebooks: see launch_progress)
