@@ -21,7 +21,10 @@ def _outcome(fn) -> tuple[str, str]:
     try:
         fn()
     except Exception as exc:  # noqa: BLE001 - the outcome is the result
-        return type(exc).__name__, str(exc)
+        try:
+            return type(exc).__name__, str(exc)
+        except Exception:  # noqa: BLE001 - _Unprintable
+            return type(exc).__name__, "<str() raised>"
     return "ok", ""
 
 
@@ -102,6 +105,24 @@ def _peer_error_needing_more_than_a_message(root: str) -> None:
         raise UnsafeCheckpointError(f"{exc} [key={exc.key}]", exc.key) from None
 
 
+class _Unprintable(ValueError):
+    def __str__(self):
+        raise RuntimeError("str() of this exception raises")
+
+
+def _peer_error_whose_str_raises(root: str) -> None:
+    from tutorial_lib.dist.agreement import every_rank_or_none
+
+    try:
+        with every_rank_or_none("formatting"):
+            if dist.get_rank() == 1:
+                raise _Unprintable()
+    except _Unprintable as exc:
+        if dist.get_rank() == 1:  # its own error, as it was raised
+            raise ValueError("rank 1's own _Unprintable") from None
+        raise exc
+
+
 def _nothing_fails(root: str) -> None:
     from tutorial_lib.dist.agreement import every_rank_or_none
 
@@ -118,6 +139,7 @@ SCENARIOS = {
     "fsdp2_uneven": _uneven_block_scaled_weight_sharded_directly,
     "fully_shard_blocks_uneven": _uneven_block_scaled_weight_through_fully_shard_blocks,
     "class_fallback": _peer_error_needing_more_than_a_message,
+    "unprintable": _peer_error_whose_str_raises,
     "nothing_fails": _nothing_fails,
 }
 

@@ -76,5 +76,11 @@ def test_a_peer_error_class_that_needs_more_than_a_message_arrives_as_that_class
     assert m1 == "item 'x' was refused [key=x]"
 
 
+def test_an_error_whose_str_raises_still_reaches_every_rank(outcomes):
+    """The failing rank builds its report without letting the error's own ``__str__`` raise: it still joins the
+    collective (else its peer waits there until the collective timeout), and the peer gets the class."""
+    assert outcomes["unprintable"] == [("_Unprintable", "<str() raised>"), ("ValueError", "rank 1's own _Unprintable")]
+
+
 def test_nothing_fails_nothing_is_raised(outcomes):
     assert outcomes["nothing_fails"] == [("ok", ""), ("ok", "")]

@@ -62,8 +62,7 @@ def every_rank_or_none(what: str, group=None) -> Iterator[None]:
     except Exception as exc:  # noqa: BLE001 - re-raised below, on this rank as it is
         error = exc
     # strings only: any exception can be sent, and a peer's report names no class for this rank to import
-    report = None if error is None else (type(error).__module__, type(error).__qualname__, str(error) or repr(error),
-                                         _plain_attributes(error))
+    report = None if error is None else _report(error)
     reports = [None] * dist.get_world_size(group)
     try:
         dist.all_gather_object(reports, report, group=group)
@@ -82,6 +81,20 @@ def every_rank_or_none(what: str, group=None) -> Iterator[None]:
     if len(ranks) > 1:
         text += f" (ranks {ranks[1:]} failed too)"
     raise _rebuilt(module, qualname, text, attributes)
+
+
+def _report(error: Exception) -> tuple[str, str, str, dict]:
+    """What a peer learns of ``error``: module, class, message, plain attributes. Never raises -- a rank whose
+    exception's ``__str__`` raised would otherwise skip the collective and leave its peers in it."""
+    try:
+        text = str(error) or repr(error)
+    except Exception:  # noqa: BLE001 - any failure of a user's __str__/__repr__
+        text = f"<{type(error).__qualname__}: its str() raised>"
+    try:
+        attributes = _plain_attributes(error)
+    except Exception:  # noqa: BLE001 - e.g. vars() of an exception without a __dict__
+        attributes = {}
+    return type(error).__module__, type(error).__qualname__, text, attributes
 
 
 def _plain_attributes(error: Exception) -> dict:
