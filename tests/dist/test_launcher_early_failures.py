@@ -97,10 +97,26 @@ def test_arguments_that_cannot_be_pickled_fail_in_the_caller_saying_why():
         launch(start_here.allreduce_demo, world_size=2, device="cpu", args=(threading.Lock(),), timeout=120)
 
 
+@pytest.mark.parametrize("value", [0, -1.0, float("inf"), float("nan"), 1e14, "60", True])
 @pytest.mark.parametrize("name", ["timeout", "collective_timeout"])
-def test_timeouts_must_be_positive(name):
-    with pytest.raises(ValueError, match=f"{name} must be > 0 seconds, got 0"):
-        launch(start_here.allreduce_demo, world_size=2, device="cpu", args=(3,), **{name: 0})
+def test_timeouts_must_be_finite_positive_seconds(name, value):
+    """inf / 1e14 s overflowed the process group's timedelta deep inside the launch; now refused up front."""
+    with pytest.raises(ValueError, match=f"{name} must be a finite number of seconds > 0, got {value!r}"):
+        launch(start_here.allreduce_demo, world_size=2, device="cpu", args=(3,), **{name: value})
+
+
+@pytest.mark.parametrize("call, match", [
+    (dict(world_size=2.0), "world_size must be an int >= 1, got 2.0"),
+    (dict(world_size="2"), "world_size must be an int >= 1, got '2'"),
+    (dict(world_size=0), "world_size must be an int >= 1, got 0"),
+    (dict(world_size=2, args=5), "args must be a tuple or list and kwargs a dict, got int and dict"),
+    (dict(world_size=2, kwargs=[1, 2]), "args must be a tuple or list and kwargs a dict, got tuple and list"),
+])
+def test_bad_launch_arguments_are_refused_before_any_rank_starts(call, match):
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    with pytest.raises((ValueError, TypeError), match=match):
+        launch(start_here.allreduce_demo, device="cpu", timeout=60, **call)
+    assert not _new_children(before)
 
 
 _CLOSED_STDOUT = textwrap.dedent("""

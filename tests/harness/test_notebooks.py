@@ -192,6 +192,18 @@ def test_cell_timeout_fails_the_lesson(tmp_path):
         run_lesson(slow, tmp_path / "out", device="cpu", world_size=1, quick=True, cell_timeout=3)
 
 
+@pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan"), None])
+def test_a_cell_timeout_that_would_mean_no_timeout_is_refused(tmp_path, value, capsys):
+    """papermill reads 0, a negative value or None as "no timeout": a hung cell would hang the run forever."""
+    nb = _notebook(tmp_path, [("x = 1", None)], "15_fast.ipynb")
+    with pytest.raises(ValueError, match="cell_timeout must be a finite number of seconds > 0"):
+        run_lesson(nb, tmp_path / "out", device="cpu", world_size=1, quick=True, cell_timeout=value)
+    if value is not None:
+        with pytest.raises(SystemExit) as info:
+            _main(["run", str(nb), "--device", "cpu", "--cell-timeout", str(value), "--out", str(tmp_path / "o")])
+        assert info.value.code == 2 and "--cell-timeout must be a finite number" in capsys.readouterr().err
+
+
 # --- lesson parameters from the command line (-p NAME=VALUE) --------------------------------------
 
 

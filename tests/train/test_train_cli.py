@@ -168,9 +168,13 @@ def test_more_ranks_than_validation_windows_fail_before_training(tmp_path):
     assert not (tmp_path / "v" / "metrics.jsonl").exists(), "refused before the run started"
 
 
-def test_timeout_must_be_positive():
-    with pytest.raises(SystemExit):
-        parse_args(["--out", "runs/x", "--timeout", "0"])
+@pytest.mark.parametrize("value", ["0", "-5", "inf", "nan", "1e14"])
+def test_timeout_must_be_finite_and_positive(value, capsys):
+    """inf passed argparse and overflowed the timedelta later, with a traceback and status 1."""
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--out", "runs/x", "--timeout", value])
+    assert info.value.code == 2 and "--timeout must be a finite number of seconds > 0" in capsys.readouterr().err
+    assert parse_args(["--out", "runs/x", "--timeout", "30"])[1] == 30.0
 
 
 def test_a_failure_while_training_is_not_a_refusal(tmp_path):

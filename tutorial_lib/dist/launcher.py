@@ -223,17 +223,22 @@ def launch(
     Raises:
         RankFailed: a rank raised (message holds its traceback) or died (its signal).
         LaunchTimeout: ``timeout`` passed; every rank has been killed.
-        ValueError: bad ``world_size`` (e.g. more ranks than GPUs), a timeout not above 0, a device
-            without a process-group backend.
+        ValueError: bad ``world_size`` (not an int >= 1, or more ranks than GPUs), a timeout that is not a
+            finite number of seconds > 0, a device without a process-group backend.
+        TypeError: ``args`` not a tuple/list or ``kwargs`` not a dict (before any rank starts).
     """
-    kwargs = kwargs or {}
+    kwargs = {} if kwargs is None else kwargs
     dev = resolve_device(device)
     backend = backend_for(dev)  # a torch.device is taken as it is: e.g. "meta" has no backend
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     for name, seconds in (("timeout", timeout), ("collective_timeout", collective_timeout)):
-        if not seconds > 0:
-            raise ValueError(f"{name} must be > 0 seconds, got {seconds!r}")
+        # a process group's timeout is a timedelta: at most 999,999,999 days (and not inf or NaN)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 8.6e13:
+            raise ValueError(f"{name} must be a finite number of seconds > 0, got {seconds!r}")
+    if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):
+        raise TypeError(f"args must be a tuple or list and kwargs a dict, got {type(args).__name__} and "
+                        f"{type(kwargs).__name__}")
     if dev.type == "cuda" and world_size > torch.cuda.device_count():
         raise ValueError(
             f"world_size {world_size} needs one GPU per rank, but only {torch.cuda.device_count()} "

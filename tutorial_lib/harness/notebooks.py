@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import ast
 import html
+import math
 import os
 import re
 import socket
@@ -234,6 +235,9 @@ def run_lesson(
     """
     import papermill
 
+    if isinstance(cell_timeout, bool) or not isinstance(cell_timeout, (int, float)) or not 0 < cell_timeout < 1e9:
+        # papermill/nbclient read 0, a negative value or None as "no timeout": a hung cell would hang the run
+        raise ValueError(f"cell_timeout must be a finite number of seconds > 0, got {cell_timeout!r}")
     path = Path(path)
     params = default_parameters(device)
     if world_size is not None:
@@ -260,7 +264,8 @@ def run_lesson(
             with _kernel_environment(params["device"], inputs_log):
                 papermill.execute_notebook(
                     str(source), str(running), parameters=params, kernel_name=KERNEL_NAME,
-                    execution_timeout=cell_timeout, progress_bar=False, cwd=str(path.parent), log_output=False,
+                    execution_timeout=math.ceil(cell_timeout), progress_bar=False, cwd=str(path.parent),
+                    log_output=False,
                 )
         except Exception as exc:  # papermill's cell errors, nbclient's timeouts, dead kernels
             failed = LessonFailed(f"{path.name} failed ({params}):\n{_describe_failure(exc)}")
@@ -424,6 +429,8 @@ def _main(argv: list[str] | None = None) -> int:
             print(("stripped " if strip_outputs(p) else "clean    ") + p)
         return 0
 
+    if not 0 < args.cell_timeout < 1e9:
+        parser.error(f"--cell-timeout must be a finite number of seconds > 0, got {args.cell_timeout}")
     try:
         extra = dict(parse_parameter(t) for t in args.params)
     except ValueError as exc:

@@ -79,8 +79,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, float]:
                         "approximately)")
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds (default 600)")
     a = p.parse_args(argv)
-    if not a.timeout > 0:
-        p.error(f"--timeout must be > 0 seconds, got {a.timeout}")
+    if not 0 < a.timeout < 8.6e13:  # a timedelta: finite, at most 999,999,999 days
+        p.error(f"--timeout must be a finite number of seconds > 0, got {a.timeout}")
     if a.format not in FORMATS:
         p.error(f"unknown --format {a.format!r}; known formats: {', '.join(FORMATS)}")
     if a.size not in SIZES:
