@@ -59,6 +59,22 @@ def report_pid_then_hang(pid_dir: str, seconds: float = 3600.0) -> None:
     time.sleep(seconds)
 
 
+def start_child_then(pid_dir: str, then: str) -> None:
+    """Start a ``sleep`` subprocess, write its pid into ``pid_dir``, then ``then``: "raise" on rank 1 (rank 0
+    waits in a barrier), "hang" on every rank, or "return" -- the child must not outlive the launch in any case."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "300"])
+    with open(os.path.join(pid_dir, f"{dist.get_rank()}.pid"), "w") as fh:
+        fh.write(str(child.pid))
+    if then == "raise" and dist.get_rank() == 1:
+        raise RuntimeError("rank 1 fails with a subprocess running")
+    if then in ("raise", "hang"):
+        if then == "raise":
+            dist.barrier()
+        time.sleep(3600)
+
+
 def fail_while_others_wait(bad_rank: int, stamp_path: str, seconds: float = 600.0) -> None:
     """Rank ``bad_rank`` raises (writing the time of the raise to ``stamp_path`` first); every other
     rank is stuck in a call that never notices a dead peer, as a rank waiting in an NCCL collective

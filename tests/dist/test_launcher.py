@@ -158,6 +158,23 @@ def test_hanging_rank_times_out_and_every_child_is_reaped(tmp_path):
     assert not leftovers, f"the caller still has child processes: {leftovers}"
 
 
+@pytest.mark.parametrize("then, raises", [("raise", RankFailed), ("hang", LaunchTimeout), ("return", None)])
+def test_processes_a_rank_started_do_not_outlive_the_launch(tmp_path, then, raises):
+    """Each rank leads a process group of its own, and the launcher ends the groups: a subprocess a rank
+    started is gone after a failure, a timeout and a success alike (it was re-parented to init and left)."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    call = functools.partial(launch, rf.start_child_then, world_size=2, device="cpu", args=(str(pid_dir), then),
+                             timeout=30 if then == "hang" else 120, echo=False)
+    if raises is None:
+        call()
+    else:
+        with pytest.raises(raises):
+            call()
+    pids = [int(p.read_text()) for p in pid_dir.iterdir()]
+    assert pids and _gone(pids), f"the ranks' subprocesses {pids} outlived the launch"
+
+
 def test_function_must_be_importable():
     def local_fn():
         return 1

@@ -80,6 +80,9 @@ def _rank_main(_index: int, rank: int, world_size: int, device_type: str, backen
     global _RANK_DEVICE
     code = 1
     try:
+        # a process group of its own: the caller ends the rank AND whatever it started (a rank's subprocesses
+        # would otherwise outlive a failed or timed-out launch, re-parented to init)
+        os.setpgid(0, 0)
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
         rank_tmp = os.path.join(tmp, f"rank{rank}.tmp")

@@ -29,7 +29,8 @@ Design choices, each for a reason ``tests/dist/test_launcher.py`` exercises:
 
 * **torch's own process machinery** (``torch.multiprocessing.start_processes`` with ``spawn``):
   a failed rank terminates the rest; children get SIGINT when the caller dies (parent-death signal), which
-  a rank blocked inside a collective handles only when ``collective_timeout`` ends the call.
+  a rank blocked inside a collective handles only when ``collective_timeout`` ends the call. Each rank leads
+  a process group of its own, and the caller signals the groups: whatever a rank started ends with it.
 * **The caller binds the rendezvous port** (``TCPStore`` on port 0), so concurrent launches
   on one machine can never pick the same port, and **each launch has its own temp dir**,
   removed on success and failure alike; ranks' ``TMPDIR`` points inside it.
@@ -80,6 +81,7 @@ import datetime
 import os
 import pickle
 import shutil
+import signal
 import socket
 import tempfile
 import time
@@ -173,17 +175,35 @@ def _loopback_store(world_size: int, timeout: datetime.timedelta) -> dist.TCPSto
 
 
 def _stop(context: mp.ProcessContext, grace: float = 3.0) -> None:
-    """Terminate, then kill, every rank still alive, and reap them all."""
+    """Terminate, then kill, every rank still alive and every process a rank started (each rank leads a
+    process group of its own: ``launch_rank``), and reap the ranks."""
     alive = [p for p in context.processes if p.is_alive()]
-    for p in alive:
-        p.terminate()
+    for p in context.processes:
+        _signal_group(p.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
     for p in alive:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in context.processes:
+        _signal_group(p.pid, signal.SIGKILL)
         if p.is_alive():
             p.kill()
         p.join()
+
+
+def _signal_group(pid: int | None, sig: int) -> None:
+    """Signal the process group a rank leads (the rank, if alive, and what it started); gone groups are fine."""
+    if pid is None:
+        return
+    try:
+        if os.getpgid(pid) != pid:  # the rank has not (yet) made its group: signal the rank alone
+            os.kill(pid, sig)
+            return
+    except ProcessLookupError:  # the rank is gone (reaped or not): its group may still hold its children
+        pass
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):  # nothing left in the group
+        pass
 
 
 def _failure_message(
