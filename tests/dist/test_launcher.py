@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -249,6 +250,55 @@ _SCRIPT = textwrap.dedent(
         main()
     """
 )
+
+
+def test_an_interrupt_while_the_ranks_are_stopped_still_removes_the_temp_dir(tmp_path, monkeypatch):
+    """The cleanup is nested: a second Ctrl-C that lands while the ranks are being stopped (a KeyboardInterrupt
+    out of ``_stop``) no longer skips removing the launch's temp dir."""
+    real_stop = launcher._stop
+
+    def stop_then_interrupt(context, grace=3.0):
+        real_stop(context, grace)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launcher, "_stop", stop_then_interrupt)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        launch(rf.rank_identity, world_size=2, device="cpu", timeout=120, echo=False)
+    assert not list(tmp_path.glob("tutorial-launch-*")), "the temp dir outlived the interrupted cleanup"
+
+
+_IGNORING_CALLER = textwrap.dedent(
+    """
+    import signal, sys
+    sys.path.insert(0, {here!r})
+    import rank_functions as rf
+    from tutorial_lib.dist.launcher import launch
+    if __name__ == "__main__":
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a shell script's background job starts: inherited
+        launch(rf.report_pid_then_hang, world_size=2, device="cpu", args=({pid_dir!r},), timeout=300, echo=False)
+    """
+)
+
+
+def test_ranks_end_with_a_killed_caller_even_when_it_ignored_sigint(tmp_path):
+    """torch's parent-death signal is SIGINT, which an inherited SIG_IGN (or a rank's own
+    ``except KeyboardInterrupt``) defeats: the ranks re-arm it with SIGKILL, so a killed caller leaves none."""
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    script = tmp_path / "ignoring_caller.py"
+    script.write_text(_IGNORING_CALLER.format(here=rf.HERE, pid_dir=str(pid_dir)))
+    caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(pid_dir.iterdir())) < 2 and time.monotonic() < deadline and caller.poll() is None:
+            time.sleep(0.2)
+        pids = [int(p.read_text()) for p in pid_dir.iterdir() if p.read_text()]
+        assert len(pids) == 2, "both ranks should have started"
+    finally:
+        caller.kill()
+        caller.wait()
+    assert _gone(pids), f"ranks {pids} outlived their killed caller"
 
 
 def test_concurrent_launches_are_isolated_and_leave_no_temp_files(tmp_path):

@@ -27,6 +27,7 @@ import dataclasses
 import datetime
 import os
 import pickle
+import signal
 import socket
 import sys
 import tempfile
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing import _prctl_pr_set_pdeathsig  # torch arms SIGINT with it; we re-arm it
 
 from tutorial_lib.dist.runtime import CUBLAS_DETERMINISTIC_WORKSPACE
 
@@ -74,7 +76,7 @@ def _to_cpu(obj: Any) -> Any:
 
 
 def _rank_main(_index: int, rank: int, world_size: int, device_type: str, backend: str, port: int, tmp: str,
-               collective_timeout: float, deterministic: bool = True) -> None:
+               collective_timeout: float, deterministic: bool = True, caller_pid: int | None = None) -> None:
     """Body of one spawned rank (``_index`` is 0: each rank is started by itself); ``(fn, args, kwargs)`` is
     pickled in ``tmp/CALL_FILE``. Its fds 1 and 2 are its log already. Every exit path ends in ``os._exit``."""
     global _RANK_DEVICE
@@ -83,6 +85,12 @@ def _rank_main(_index: int, rank: int, world_size: int, device_type: str, backen
         # a process group of its own: the caller ends the rank AND whatever it started (a rank's subprocesses
         # would otherwise outlive a failed or timed-out launch, re-parented to init)
         os.setpgid(0, 0)
+        # ...and the caller's death ends the rank whatever it ignores or catches: torch arms SIGINT, which an
+        # inherited SIG_IGN (a caller started in the background by a shell script) or an `except KeyboardInterrupt`
+        # in the rank's code would defeat. Then, if the caller died before that, leave now.
+        _prctl_pr_set_pdeathsig(signal.SIGKILL)
+        if caller_pid is not None and os.getppid() != caller_pid:
+            os._exit(1)
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
         rank_tmp = os.path.join(tmp, f"rank{rank}.tmp")

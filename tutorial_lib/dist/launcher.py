@@ -180,14 +180,16 @@ def _stop(context: mp.ProcessContext, grace: float = 3.0) -> None:
     alive = [p for p in context.processes if p.is_alive()]
     for p in context.processes:
         _signal_group(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    for p in alive:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in context.processes:
-        _signal_group(p.pid, signal.SIGKILL)
-        if p.is_alive():
-            p.kill()
-        p.join()
+    try:
+        deadline = time.monotonic() + grace
+        for p in alive:
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:  # also after an interrupt during the grace period: no rank is left running
+        for p in context.processes:
+            _signal_group(p.pid, signal.SIGKILL)
+            if p.is_alive():
+                p.kill()
+            p.join()
 
 
 def _signal_group(pid: int | None, sig: int) -> None:
@@ -364,7 +366,7 @@ def _launch_once(fn, world_size, dev, backend, args, kwargs, timeout, collective
         finished = RanksFinished([os.path.join(tmp, f"rank{r}.result") for r in range(world_size)], _name(fn))
         tail = LogTail(tmp, world_size, echo, write=finished.note)
         with _rank_environment(dev):
-            rank_args = (world_size, dev.type, backend, store.port, tmp, collective_timeout, deterministic)
+            rank_args = (world_size, dev.type, backend, store.port, tmp, collective_timeout, deterministic, os.getpid())
             context = _start_ranks(world_size, tmp, rank_args)
         while True:
             tail.pump()
@@ -401,10 +403,14 @@ def _launch_once(fn, world_size, dev, backend, args, kwargs, timeout, collective
             with open(path, "rb") as fh:  # written by our own rank into our 0700 dir: trusted data
                 results.append(pickle.load(fh))
         return results
-    finally:
-        if context is not None:
-            _stop(context)
-        if finished is not None:
-            finished.close()  # at world_size after a success; where it stopped after a failure
-        del store
-        shutil.rmtree(tmp, ignore_errors=True)
+    finally:  # nested: a second interrupt while the ranks are stopped must not skip the rest
+        try:
+            if context is not None:
+                _stop(context)
+        finally:
+            try:
+                if finished is not None:
+                    finished.close()  # at world_size after a success; where it stopped after a failure
+            finally:
+                del store
+                shutil.rmtree(tmp, ignore_errors=True)
