@@ -107,6 +107,7 @@ class FormatMatrixResult:
 
     rank: int  # the rank that produced it
     fmt: str  # registry format name
+    options: dict  # the quantizer options every weight of the run was made with ({} = the format's defaults)
     sizes: dict[str, tuple[int, int]]  # shape -> (dim, hidden) of the BlockMLP used
     cells: list[MatrixCell]  # every cell this rank took part in
 
@@ -131,15 +132,16 @@ def _mesh(group) -> DeviceMesh:
     return DeviceMesh.from_group(group, rank_device().type)
 
 
-def _build(fmt: str, size, mesh=None):
-    """The FSDP2-sharded model on ``mesh`` (or the plain single-process twin) + FusedAdam with masters."""
+def _build(fmt: str, size, mesh=None, options: dict | None = None):
+    """The FSDP2-sharded model on ``mesh`` (or the plain single-process twin) + FusedAdam with masters; the
+    weights quantized with ``recipe(fmt, **options)``."""
     build = lambda: BlockMLP(*size, 1, seed=3)  # noqa: E731
     dev = rank_device()
     if mesh is None:
         with torch.device(dev):
-            model = quantize_params_(build(), recipe(fmt), preserve_high_precision=True)
+            model = quantize_params_(build(), recipe(fmt, **(options or {})), preserve_high_precision=True)
     else:
-        model = build_sharded_quantized(build, mesh, recipe(fmt), dev, preserve_high_precision=True)
+        model = build_sharded_quantized(build, mesh, recipe(fmt, **(options or {})), dev, preserve_high_precision=True)
     return model, FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01, master_weights=True)
 
 
@@ -209,8 +211,8 @@ class _WriteAfter(FileSystemWriter):
 
 
 class _Cells:
-    def __init__(self, fmt: str):
-        self.fmt, self.cells = fmt, []
+    def __init__(self, fmt: str, options: dict):
+        self.fmt, self.options, self.cells = fmt, options, []
 
     def add(self, shape, path, ws, outcome, mismatch=(), detail=""):
         self.cells.append(MatrixCell(self.fmt, shape, path, ws, outcome, list(mismatch), detail))
@@ -230,7 +232,7 @@ def _refusals(cells: _Cells, fmt: str, sizes: dict) -> None:
         with torch.device("meta"):
             layer = nn.Linear(full[1], full[0], bias=False)  # weight [rows, cols] = full
         try:
-            quantize_params_on_meta_(layer, recipe(fmt), ws)
+            quantize_params_on_meta_(layer, recipe(fmt, **cells.options), ws)
             cells.add(shape, "init", ws, "refused", ["no UnshardableError"], f"{list(full)} over {ws} ranks")
         except UnshardableError as exc:
             cells.add(shape, "init", ws, "refused", [], str(exc))
@@ -278,7 +280,8 @@ def _export_cell(cells, shape, ws, model, opt, ref, ref_opt, path, group) -> Non
             bound = (rounding_error_bound(y, all_values(p.meta()["fmt"])) + 2**-22 * y.abs()) * sinv
             if (err > bound).any():
                 bad.append(f"{name}: |dequantize - master| above the rounding bound")
-        elif mismatched_keys({"w": clean_quantized(make_quantizer(cells.fmt).quantize(values[name]))}, {"w": p}):
+        elif mismatched_keys({"w": clean_quantized(make_quantizer(cells.fmt, **cells.options).quantize(values[name]))},
+                             {"w": p}):
             bad.append(f"{name}: requantized export != weight bytes")
     cells.add(shape, "export", ws, "bound" if delayed else "exact", bad,
               "every parameter exported: fp32 masters (requantized == the weights" + (", bound for delayed" if delayed
@@ -292,8 +295,8 @@ def _train_and_resume(cells, fmt, shape, size, group, save_group, root, paths,
     state and, with "resume" in ``paths``, of the state one step later (None without)."""
     ws, rank = group.size(), dist.get_rank()
     mesh = _mesh(group)
-    model, opt = _build(fmt, size, mesh)
-    ref, ref_opt = _build(fmt, size)
+    model, opt = _build(fmt, size, mesh, cells.options)
+    ref, ref_opt = _build(fmt, size, options=cells.options)
     ranks = range(ws)
     if "train" in paths:
         _unshard_cells(cells, shape, ws, model, ref, group)
@@ -326,7 +329,7 @@ def _train_and_resume(cells, fmt, shape, size, group, save_group, root, paths,
     pending.result()
     if "resume" in paths:
         for mode in ("sync", "async"):
-            m2, o2 = _build(fmt, size, mesh)
+            m2, o2 = _build(fmt, size, mesh, cells.options)
             load_checkpoint({"app": TrainingState(m2, o2)}, os.path.join(root, f"{tag}-{mode}"), process_group=group)
             bad = mismatched_keys(snapshot(_state(m2, o2)).tensors, saved_snap.tensors)
             loss = _step(m2, o2, size[0], steps, [rank])[0]
@@ -345,7 +348,7 @@ def _reshard_cell(cells, fmt, size, group, expected: _Expected, path, label, sha
     reduce-scatter would sum in another order, so no step is compared there."""
     ws = group.size()
     try:
-        model, opt = _build(fmt, size, _mesh(group))
+        model, opt = _build(fmt, size, _mesh(group), cells.options)
     except UnshardableError as exc:
         cells.add(shape, label, ws, "refused", [], str(exc))
         return
@@ -360,20 +363,23 @@ def _reshard_cell(cells, fmt, size, group, expected: _Expected, path, label, sha
 
 
 def format_matrix_run(fmt: str, root: str, paths: tuple[str, ...] = MATRIX_PATHS, steps: int = 2,
-                      shapes: tuple[str, ...] = MATRIX_SHAPES) -> FormatMatrixResult:
+                      shapes: tuple[str, ...] = MATRIX_SHAPES, options: dict | None = None) -> FormatMatrixResult:
     """Rank function: every cell of ``paths`` x ``shapes`` that this world size allows, for format ``fmt``.
 
     ``root`` is a directory every rank can write (checkpoints and exports go below it). Cells that
     need more ranks than launched are reported as ``"skipped"`` (rank 0). ``"even"`` must be among
-    ``shapes`` for the reshard cells (they load the even run's checkpoints).
+    ``shapes`` for the reshard cells (they load the even run's checkpoints). ``options``: quantizer options of
+    the format (``recipe(fmt, **options)``, e.g. ``{"pow2_scales": True}``), for every weight of every cell.
     """
     get_format_info(fmt)  # a clear error for an unknown name
+    options = dict(options or {})
+    make_quantizer(fmt, **options)  # a clear error for a bad option, before any collective
     bad = (set(paths) - set(MATRIX_PATHS)) | (set(shapes) - set(MATRIX_SHAPES))
     if bad or ("reshard" in paths and "even" not in shapes):
         raise ValueError(f"paths must be among {MATRIX_PATHS} and shapes among {MATRIX_SHAPES} (with 'even' for "
                          f"'reshard'), got {paths}, {shapes}")
     rank, world = dist.get_rank(), dist.get_world_size()
-    cells, sizes = _Cells(fmt), matrix_sizes(fmt)
+    cells, sizes = _Cells(fmt, options), matrix_sizes(fmt)
     groups = {k: (dist.new_group(list(range(k))) if k < world else dist.group.WORLD) for k in range(1, world + 1)}
     save_groups = {k: dist.new_group(list(range(k)), backend="gloo") for k in (1, 2) if k <= world}  # async saves
     # Ranks outside a phase's shard group wait for it here, as long as the phase takes: a gloo group
@@ -413,7 +419,7 @@ def format_matrix_run(fmt: str, root: str, paths: tuple[str, ...] = MATRIX_PATHS
             dist.barrier(group=phases)
         if world >= 4 and sizes["even"] is not None:
             if rank < 4:  # the 4-rank model lives on groups[4]; further ranks wait at the barrier
-                model, opt = _build(fmt, even, _mesh(groups[4]))
+                model, opt = _build(fmt, even, _mesh(groups[4]), cells.options)
                 load_checkpoint({"app": TrainingState(model, opt)}, os.path.join(root, "even-ws2-sync"),
                                 process_group=groups[4])
                 save_checkpoint({"app": TrainingState(model, opt)}, os.path.join(root, "even-ws4-sync"),
@@ -432,5 +438,5 @@ def format_matrix_run(fmt: str, root: str, paths: tuple[str, ...] = MATRIX_PATHS
                         _reshard_cell(cells, fmt, sizes[shape], groups[k], exp, os.path.join(root, f"{shape}-ws2-sync"),
                                       f"reshard 2->{k} (sync)", shape=shape)
                     dist.barrier(group=phases)
-    return FormatMatrixResult(rank=rank, fmt=fmt, sizes={k: v for k, v in sizes.items() if v is not None},
-                              cells=cells.cells)
+    return FormatMatrixResult(rank=rank, fmt=fmt, options=options,
+                              sizes={k: v for k, v in sizes.items() if v is not None}, cells=cells.cells)
