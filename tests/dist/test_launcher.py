@@ -471,6 +471,23 @@ def test_a_disabled_or_quiet_bar_prints_nothing(monkeypatch, capfd, recorded_bar
     assert recorded_bars[-1].closed_at == 2
 
 
+def test_a_flooding_rank_is_echoed_within_bounds(tmp_path):
+    """A rank printing without end must not flood the cell or the caller's memory: at most ECHOED_LINES lines
+    per rank and one notice, lines cut at LINE_CHARS (a line without a newline too), the last lines kept."""
+    n = launch_progress.ECHOED_LINES + 500
+    long_line = "x" * (3 * launch_progress.LINE_CHARS)
+    (tmp_path / "rank0.log").write_text(long_line + "\n" + "".join(f"line {i}\n" for i in range(n)) + long_line)
+    written = []
+    tail = launch_progress.LogTail(str(tmp_path), world_size=1, echo=True, write=written.append)
+    tail.pump()
+    assert len(tail.partial[0]) == 0 and tail.cutting[0], "the unterminated long line was cut, not kept growing"
+    tail.pump(final=True)
+    assert len(written) == launch_progress.ECHOED_LINES + 1 and "more output not shown" in written[-1]
+    assert written[0] == "[rank 0] " + "x" * launch_progress.LINE_CHARS + " [... line cut]"
+    assert tail.last_lines[0][-1] == "x" * launch_progress.LINE_CHARS + " [... line cut]"
+    assert tail.last_lines[0][-2] == f"line {n - 1}" and len(tail.last_lines[0]) == launch_progress.KEPT_LINES
+
+
 def test_rank_lines_go_through_the_bar_and_keep_their_last_lines(tmp_path):
     (tmp_path / "rank0.log").write_text("one\ntwo\npart")
     written = []

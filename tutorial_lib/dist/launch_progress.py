@@ -58,6 +58,11 @@ _BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}]"
 
 KEPT_LINES = 60
 """How many of each rank's last output lines :class:`LogTail` keeps."""
+ECHOED_LINES = 5_000
+"""How many lines of each rank :class:`LogTail` re-prints per launch; then one line says the rest is cut."""
+LINE_CHARS = 4_000
+"""The longest line :class:`LogTail` keeps or re-prints; a longer one is cut there (the rest of it dropped)."""
+_READ_BYTES = 1 << 20  # read at most this much of a rank's log per pump (and per step of a final pump)
 
 
 _REDIRECT_LOCK = threading.Lock()  # fds 1 and 2 belong to the whole process: one redirection at a time
@@ -113,36 +118,62 @@ class LogTail:
     """Re-print what the ranks write to ``<tmp>/rank<r>.log``, line by line, prefixed with their rank.
 
     ``write`` prints one line (default: ``print``); ``last_lines[r]`` holds rank r's last 60 lines
-    (kept with ``echo=False`` too: the launcher quotes them when a rank dies without a traceback).
+    (kept with ``echo=False`` too: the launcher quotes them when a rank dies without a traceback). Bounded, so a
+    rank that floods its output cannot flood the cell or the caller's memory: at most :data:`ECHOED_LINES`
+    lines per rank are re-printed, each cut at :data:`LINE_CHARS` characters, and the log is read 1 MB at a time.
     """
 
     def __init__(self, tmp: str, world_size: int, echo: bool, write: Callable[[str], None] = _print_line):
         self.paths = [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
         self.offsets = [0] * world_size
         self.partial = [""] * world_size
+        self.cutting = [False] * world_size  # inside a line already cut at LINE_CHARS: drop until its newline
+        self.echoed = [0] * world_size
         self.last_lines: list[list[str]] = [[] for _ in range(world_size)]
         self.echo = echo
         self.write = write
 
     def pump(self, final: bool = False) -> None:
-        """Read what each rank wrote since the last call; ``final``: also its unterminated last line."""
+        """Read what each rank wrote since the last call; ``final``: all of it, and its unterminated last line."""
         for rank, path in enumerate(self.paths):
             try:
                 with open(path, "rb") as fh:
                     fh.seek(self.offsets[rank])
-                    chunk = fh.read()
+                    while True:
+                        chunk = fh.read(_READ_BYTES)
+                        self.offsets[rank] += len(chunk)
+                        self._take(rank, chunk.decode("utf-8", errors="replace"))
+                        if not final or len(chunk) < _READ_BYTES:
+                            break
             except FileNotFoundError:
                 continue
-            self.offsets[rank] += len(chunk)
-            text = self.partial[rank] + chunk.decode("utf-8", errors="replace")
-            lines = text.split("\n")
-            self.partial[rank] = "" if final else lines.pop()
-            for line in lines:
-                if final and not line:
-                    continue
-                self.last_lines[rank] = (self.last_lines[rank] + [line])[-KEPT_LINES:]
-                if self.echo:
-                    self.write(f"[rank {rank}] {line}")
+            if final and self.partial[rank]:
+                self._line(rank, self.partial[rank])
+                self.partial[rank] = ""
+
+    def _take(self, rank: int, text: str) -> None:
+        lines = (self.partial[rank] + text).split("\n")
+        self.partial[rank] = lines.pop()
+        for line in lines:
+            if self.cutting[rank]:  # the rest of a cut line ends here
+                self.cutting[rank] = False
+                continue
+            self._line(rank, line)
+        if len(self.partial[rank]) > LINE_CHARS and not self.cutting[rank]:
+            self._line(rank, self.partial[rank])  # cut now: a line without a newline must not grow without bound
+            self.partial[rank], self.cutting[rank] = "", True
+        elif self.cutting[rank]:
+            self.partial[rank] = ""
+
+    def _line(self, rank: int, line: str) -> None:
+        if len(line) > LINE_CHARS:
+            line = line[:LINE_CHARS] + " [... line cut]"
+        self.last_lines[rank] = (self.last_lines[rank] + [line])[-KEPT_LINES:]
+        if self.echo and self.echoed[rank] <= ECHOED_LINES:
+            self.echoed[rank] += 1
+            self.write(f"[rank {rank}] {line}" if self.echoed[rank] <= ECHOED_LINES else
+                       f"[rank {rank}] ... more output not shown (at most {ECHOED_LINES} lines per rank); the last "
+                       f"{KEPT_LINES} lines go into the error if the rank fails")
 
 
 class RanksFinished:
