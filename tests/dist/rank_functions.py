@@ -102,3 +102,14 @@ def raise_while_others_wait_in_gloo(bad_rank: int) -> None:
 def echo_args(*args) -> str:
     """``repr`` of the arguments: a rank function whose arguments must be unpickled in the rank."""
     return repr(args)
+
+
+class NeedsTwo(Exception):
+    """An exception whose ``__init__`` takes two arguments: pickled with one (its args), it cannot be rebuilt."""
+
+    def __init__(self, a, b):
+        super().__init__(f"{a} and {b}")
+
+
+def return_unloadable() -> NeedsTwo:
+    return NeedsTwo(1, 2)

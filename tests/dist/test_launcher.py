@@ -176,6 +176,12 @@ def test_processes_a_rank_started_do_not_outlive_the_launch(tmp_path, then, rais
     assert pids and _gone(pids), f"the ranks' subprocesses {pids} outlived the launch"
 
 
+def test_a_result_the_caller_cannot_unpickle_names_its_rank():
+    with pytest.raises(launcher.LaunchError, match=r"rank 0 of 2 returned a result of return_unloadable that this "
+                                                   r"process cannot unpickle: TypeError: .*missing 1 required"):
+        launch(rf.return_unloadable, world_size=2, device="cpu", timeout=120, echo=False)
+
+
 def test_function_must_be_importable():
     def local_fn():
         return 1

@@ -401,7 +401,11 @@ def _launch_once(fn, world_size, dev, backend, args, kwargs, timeout, collective
             if not os.path.exists(path):
                 raise _failure_message(tmp, world_size, context, tail)
             with open(path, "rb") as fh:  # written by our own rank into our 0700 dir: trusted data
-                results.append(pickle.load(fh))
+                try:
+                    results.append(pickle.load(fh))
+                except Exception as exc:  # e.g. a class the rank could import and this process cannot
+                    raise LaunchError(f"rank {r} of {world_size} returned a result of {_name(fn)} that this process "
+                                      f"cannot unpickle: {type(exc).__name__}: {exc}") from exc
         return results
     finally:  # nested: a second interrupt while the ranks are stopped must not skip the rest
         try:
