@@ -176,6 +176,18 @@ def test_processes_a_rank_started_do_not_outlive_the_launch(tmp_path, then, rais
     assert pids and _gone(pids), f"the ranks' subprocesses {pids} outlived the launch"
 
 
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_rank_that_exits_0_without_a_result_is_named(bad_rank):
+    """Status 0 is no failure to torch's join: the peer that waited for the quiet rank failed first in its eyes,
+    and a launch where nobody raised named rank -1. The quiet rank is the cause, and is named with its output."""
+    with pytest.raises(RankFailed) as info:
+        launch(rf.exit0_on_rank, world_size=2, device="cpu", args=(bad_rank,), timeout=120, collective_timeout=20,
+               echo=False)
+    msg = str(info.value)
+    assert info.value.rank == bad_rank, msg
+    assert f"rank {bad_rank} of 2 exited with status 0 before returning a result" in msg and "leaving quietly" in msg
+
+
 def test_a_result_the_caller_cannot_unpickle_names_its_rank():
     with pytest.raises(launcher.LaunchError, match=r"rank 0 of 2 returned a result of return_unloadable that this "
                                                    r"process cannot unpickle: TypeError: .*missing 1 required"):

@@ -229,7 +229,13 @@ def failure_report(
                 errors[r] = fh.read()
             raised_at[r] = os.stat(path).st_mtime_ns  # set by the rank: when it caught the exception
     died = {r: code for r, code in enumerate(exitcodes) if code not in (0, None) and r not in errors}
-    if first is None or (first not in errors and first not in died):
+    # status 0 without a result: the rank's own code left (os._exit, sys.exit) -- the likely cause of the rest
+    quit = [r for r, code in enumerate(exitcodes) if code == 0 and r not in errors
+            and not os.path.exists(os.path.join(tmp, f"rank{r}.result"))]
+    died.update({r: 0 for r in quit})
+    if quit:
+        first = quit[0]
+    elif first is None or (first not in errors and first not in died):
         candidates = sorted(died) or sorted(errors)
         first = candidates[0] if candidates else -1
     if first in errors:  # a caller that polled late sees the ranks that failed because of it exit too: the
@@ -242,8 +248,10 @@ def failure_report(
         code = died[first]
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
         text = last_part("\n".join(last_lines[first]))
-        msg = (f"rank {first} of {world_size} died with {how} without reaching the launcher's error report; "
-               f"its last output (stdout and stderr since it started):\n{text or '(none)'}")
+        what = ("exited with status 0 before returning a result (an os._exit or sys.exit in the code it ran?)"
+                if code == 0 else f"died with {how} without reaching the launcher's error report")
+        msg = f"rank {first} of {world_size} {what}; its last output (stdout and stderr since it started):\n" \
+              f"{text or '(none)'}"
     else:
         msg = f"the launch on {world_size} ranks ended without a result from every rank"
     others = sorted((set(errors) | set(died)) - {first})

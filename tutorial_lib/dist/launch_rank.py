@@ -124,6 +124,7 @@ def _rank_main(_index: int, rank: int, world_size: int, device_type: str, backen
         except BaseException:  # noqa: B036 - marks a failed rendezvous: the launch may be retried
             open(os.path.join(tmp, f"rank{rank}.rendezvous_failed"), "w").close()
             raise
+        open(os.path.join(tmp, f"rank{rank}.started"), "w").close()  # past the rendezvous: no retry after this
         result = _to_cpu(fn(*args, **kwargs))
         with _private_file(os.path.join(tmp, f"rank{rank}.result.part")) as fh:
             pickle.dump(result, fh)

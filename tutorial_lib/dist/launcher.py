@@ -45,7 +45,7 @@ Design choices, each for a reason ``tests/dist/test_launcher.py`` exercises:
 * **The call goes to the ranks as a file** (``tmp/call.pkl``), not through the spawn pipe, whose writer
   blocks forever when a rank dies before reading more than the pipe buffer holds (64 KB: an argument with a
   tensor in it) -- the timeout could not end that (:mod:`tutorial_lib.dist.launch_rank`). The ``timeout``
-  counts from before the ranks are spawned.
+  counts from before the ranks are spawned, and one deadline covers the rendezvous retries too.
 * **Private files**: the temp dir is mode 0700 (``mkdtemp``), results and logs 0600; the caller
   unpickles only the results its own ranks wrote there.
 * **Every rank's output goes to a file the caller tails**, from the rank's first instruction: it is
@@ -271,10 +271,11 @@ def launch(
             f"{_name(fn)} must be defined at the top level of an importable module: spawned "
             "ranks import it by name, and a function defined in a notebook or script cannot be found there"
         )
+    deadline = time.monotonic() + timeout  # one deadline for the whole launch, retries included
     for attempt in range(1 + _RENDEZVOUS_RETRIES):
         try:
-            return _launch_once(fn, world_size, dev, backend, args, kwargs, timeout, collective_timeout, echo,
-                                deterministic)
+            return _launch_once(fn, world_size, dev, backend, args, kwargs, timeout, deadline, collective_timeout,
+                                echo, deterministic)
         except _RendezvousFailed as exc:
             if attempt == _RENDEZVOUS_RETRIES:
                 raise exc.error from None
@@ -346,8 +347,11 @@ def _start_ranks(world_size: int, tmp: str, rank_args: tuple) -> mp.ProcessConte
     return mp.ProcessContext([c.processes[0] for c in contexts], [c.error_files[0] for c in contexts])
 
 
-def _launch_once(fn, world_size, dev, backend, args, kwargs, timeout, collective_timeout, echo, deterministic) -> list:
-    """One attempt: spawn, supervise, collect; see the module docstring for the protocol."""
+def _launch_once(fn, world_size, dev, backend, args, kwargs, timeout, deadline, collective_timeout, echo,
+                 deterministic) -> list:
+    """One attempt: spawn, supervise, collect, until ``deadline`` (``time.monotonic()``: the launch's, set before
+    the first attempt's spawn, so that neither starting the ranks nor a retry extends ``timeout``); see the module
+    docstring for the protocol."""
     try:  # unpicklable arguments fail here, before any rank starts
         call = pickle.dumps((fn, args, kwargs))
     except Exception as exc:
@@ -360,7 +364,6 @@ def _launch_once(fn, world_size, dev, backend, args, kwargs, timeout, collective
         raise
     context = finished = None
     try:
-        deadline = time.monotonic() + timeout  # from before the spawn: starting the ranks counts too
         with _private_file(os.path.join(tmp, CALL_FILE)) as fh:  # a file, not the spawn pipe: see launch_rank
             fh.write(call)
         finished = RanksFinished([os.path.join(tmp, f"rank{r}.result") for r in range(world_size)], _name(fn))
@@ -378,7 +381,9 @@ def _launch_once(fn, world_size, dev, backend, args, kwargs, timeout, collective
                 _stop(context)
                 tail.pump(final=True)
                 error = _failure_message(tmp, world_size, context, tail, exc.error_index)
-                if os.path.exists(os.path.join(tmp, f"rank{error.rank}.rendezvous_failed")):
+                # a retry runs the rank function again: only if no rank got past the rendezvous (so none ran it)
+                started = any(os.path.exists(os.path.join(tmp, f"rank{r}.started")) for r in range(world_size))
+                if os.path.exists(os.path.join(tmp, f"rank{error.rank}.rendezvous_failed")) and not started:
                     raise _RendezvousFailed(error) from None
                 raise error from None
             if time.monotonic() > deadline:
