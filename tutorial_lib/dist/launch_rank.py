@@ -131,7 +131,7 @@ def _rank_main(_index: int, rank: int, world_size: int, device_type: str, backen
         os.replace(os.path.join(tmp, f"rank{rank}.result.part"), os.path.join(tmp, f"rank{rank}.result"))
         dist.destroy_process_group()
         code = 0
-    except BaseException:  # noqa: B036 - KeyboardInterrupt is how the parent's death reaches us
+    except BaseException:  # noqa: B036 - SystemExit and KeyboardInterrupt from the rank's code are reported too
         failed_at = time.time_ns()
         with _private_file(os.path.join(tmp, f"rank{rank}.error")) as fh:
             fh.write(traceback.format_exc().encode())

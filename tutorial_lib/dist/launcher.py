@@ -28,9 +28,9 @@ How it works::
 Design choices, each for a reason ``tests/dist/test_launcher.py`` exercises:
 
 * **torch's own process machinery** (``torch.multiprocessing.start_processes`` with ``spawn``):
-  a failed rank terminates the rest; children get SIGINT when the caller dies (parent-death signal), which
-  a rank blocked inside a collective handles only when ``collective_timeout`` ends the call. Each rank leads
-  a process group of its own, and the caller signals the groups: whatever a rank started ends with it.
+  a failed rank terminates the rest. A rank gets SIGKILL when the caller dies (the parent-death signal; torch
+  arms SIGINT, which an ignored SIGINT or a rank's ``except KeyboardInterrupt`` would defeat). Each rank leads a
+  process group of its own, and the caller signals the groups: whatever a rank started ends with it.
 * **The caller binds the rendezvous port** (``TCPStore`` on port 0), so concurrent launches
   on one machine can never pick the same port, and **each launch has its own temp dir**,
   removed on success and failure alike; ranks' ``TMPDIR`` points inside it.

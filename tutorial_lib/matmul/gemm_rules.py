@@ -28,8 +28,9 @@ rejects, so it proves nothing about them::
     device                CUDA, compute capability >= 8.9 (tensor cores with FP8)
 
 What breaking a rule costs on the GPU instead: a misaligned pointer or leading dimension makes cuBLASLt
-raise ``CUBLAS_STATUS_NOT_SUPPORTED`` (a ``RuntimeError`` naming no rule), and makes the Triton GEMM's TMA
-loads fault with "misaligned address" -- a sticky CUDA error: every later CUDA call of the process fails.
+raise ``CUBLAS_STATUS_NOT_SUPPORTED`` (a ``RuntimeError`` naming no rule), and makes the TMA loads of the Triton
+GEMM's Hopper configurations fault with "misaligned address" -- a sticky CUDA error: every later CUDA call of the
+process fails (torch 2.11, Triton 3.6, H100; ``docs/verified_runs.md``).
 
 Example::
 
