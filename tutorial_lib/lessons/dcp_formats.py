@@ -115,7 +115,9 @@ class FormatMatrixResult:
 def matrix_sizes(fmt: str) -> dict[str, tuple[int, int] | None]:
     """``(dim, hidden)`` per shape: even = divisible by 2, 3 and 4 ranks in whole scale blocks (128x128:
     by 2 and 4 only, or the model would be 1536 wide); uneven/empty only for per-tensor formats (None:
-    the format must refuse them)."""
+    the format must refuse them). A block format's scales are a buffer not shaped like the tensor, and FSDP2
+    requires every all-gather input of a short (or empty) shard to have the padded shard's shape, so
+    ``check_fsdp_shardable`` refuses those shapes up front -- the matrix's cell for them is that refusal."""
     probe = make_quantizer(fmt).quantize(torch.zeros(256, 256))
     g, k = dim0_granularity(probe), (get_format_info(fmt).tensor_class.quant_layout.block or (1, 1))[-1]
     n = math.lcm(12 * g, k)
