@@ -306,7 +306,10 @@ def test_ranks_end_with_a_killed_caller_even_when_it_ignored_sigint(tmp_path):
     pid_dir.mkdir()
     script = tmp_path / "ignoring_caller.py"
     script.write_text(_IGNORING_CALLER.format(here=rf.HERE, pid_dir=str(pid_dir)))
-    caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    launch_tmp = tmp_path / "tmp"  # the killed caller cannot remove its launch dir: keep it inside tmp_path
+    launch_tmp.mkdir()
+    caller = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=dict(os.environ, TMPDIR=str(launch_tmp)))
     try:
         deadline = time.monotonic() + 120
         while len(list(pid_dir.iterdir())) < 2 and time.monotonic() < deadline and caller.poll() is None:
