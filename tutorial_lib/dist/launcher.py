@@ -96,7 +96,7 @@ from torch.multiprocessing.spawn import ProcessException
 
 from tutorial_lib.dist.launch_progress import LogTail, RanksFinished, failure_report, rank_output_to
 from tutorial_lib.dist.launch_rank import CALL_FILE, _private_file, _rank_main, rank_device
-from tutorial_lib.dist.runtime import backend_for, resolve_device
+from tutorial_lib.dist.runtime import backend_for, check_timeout_seconds, resolve_device
 
 __all__ = ["launch", "rank_device", "run_sequence", "LaunchError", "LaunchTimeout", "RankFailed"]
 
@@ -254,10 +254,8 @@ def launch(
     backend = backend_for(dev)  # a torch.device is taken as it is: e.g. "meta" has no backend
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    for name, seconds in (("timeout", timeout), ("collective_timeout", collective_timeout)):
-        # a process group's timeout is a timedelta: at most 999,999,999 days (and not inf or NaN)
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 8.6e13:
-            raise ValueError(f"{name} must be a finite number of seconds > 0, got {seconds!r}")
+    check_timeout_seconds("timeout", timeout)
+    check_timeout_seconds("collective_timeout", collective_timeout)
     if not isinstance(args, (tuple, list)) or not isinstance(kwargs, dict):
         raise TypeError(f"args must be a tuple or list and kwargs a dict, got {type(args).__name__} and "
                         f"{type(kwargs).__name__}")

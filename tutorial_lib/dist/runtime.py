@@ -126,6 +126,17 @@ def require_world_size(world_size: int, minimum: int, why: str) -> None:
         )
 
 
+MAX_TIMEOUT_S = 8.6e13
+"""The longest process-group timeout: it is a ``timedelta``, at most 999,999,999 days."""
+
+
+def check_timeout_seconds(name: str, seconds) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``seconds`` is a finite number > 0 that a process group's
+    ``timedelta`` timeout can hold (``inf`` would overflow it deep inside a launch)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < MAX_TIMEOUT_S:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {seconds!r}")
+
+
 def backend_for(device: torch.device | str) -> str:
     """The process-group backend string for a device type.
 

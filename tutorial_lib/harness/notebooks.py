@@ -216,6 +216,12 @@ def _describe_failure(exc: BaseException) -> str:
     return _ANSI.sub("", f"{type(exc).__name__}: {exc}")
 
 
+def _check_cell_timeout(name: str, seconds) -> None:
+    """papermill/nbclient read 0, a negative value or None as "no timeout": a hung cell would hang the run."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e9:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {seconds!r}")
+
+
 def run_lesson(
     path: str | Path,
     out_dir: str | Path = DEFAULT_OUT / "executed",
@@ -235,9 +241,7 @@ def run_lesson(
     """
     import papermill
 
-    if isinstance(cell_timeout, bool) or not isinstance(cell_timeout, (int, float)) or not 0 < cell_timeout < 1e9:
-        # papermill/nbclient read 0, a negative value or None as "no timeout": a hung cell would hang the run
-        raise ValueError(f"cell_timeout must be a finite number of seconds > 0, got {cell_timeout!r}")
+    _check_cell_timeout("cell_timeout", cell_timeout)
     path = Path(path)
     params = default_parameters(device)
     if world_size is not None:
@@ -429,8 +433,10 @@ def _main(argv: list[str] | None = None) -> int:
             print(("stripped " if strip_outputs(p) else "clean    ") + p)
         return 0
 
-    if not 0 < args.cell_timeout < 1e9:
-        parser.error(f"--cell-timeout must be a finite number of seconds > 0, got {args.cell_timeout}")
+    try:
+        _check_cell_timeout("--cell-timeout", args.cell_timeout)
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         extra = dict(parse_parameter(t) for t in args.params)
     except ValueError as exc:

@@ -40,7 +40,13 @@ import torch
 import torch.distributed as dist
 
 from tutorial_lib.dist.fsdp2 import UnshardableError
-from tutorial_lib.dist.runtime import DEVICE_CHOICES, backend_for, require_kernels_for, resolve_device
+from tutorial_lib.dist.runtime import (
+    DEVICE_CHOICES,
+    backend_for,
+    check_timeout_seconds,
+    require_kernels_for,
+    resolve_device,
+)
 from tutorial_lib.train.checkpoints import resolve_resume
 from tutorial_lib.train.loop import TrainConfig, train_model
 from tutorial_lib.train.transformer import FORMATS, SIZES
@@ -79,8 +85,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[TrainConfig, float]:
                         "approximately)")
     p.add_argument("--timeout", type=float, default=600.0, help="collective timeout in seconds (default 600)")
     a = p.parse_args(argv)
-    if not 0 < a.timeout < 8.6e13:  # a timedelta: finite, at most 999,999,999 days
-        p.error(f"--timeout must be a finite number of seconds > 0, got {a.timeout}")
+    try:
+        check_timeout_seconds("--timeout", a.timeout)
+    except ValueError as exc:
+        p.error(str(exc))
     if a.format not in FORMATS:
         p.error(f"unknown --format {a.format!r}; known formats: {', '.join(FORMATS)}")
     if a.size not in SIZES:
