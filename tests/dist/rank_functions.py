@@ -123,3 +123,9 @@ def exit0_on_rank(bad_rank: int) -> int:
         os._exit(0)
     dist.barrier()
     return dist.get_rank()
+
+
+def sigint_raises() -> bool:
+    """Whether a SIGINT would interrupt this rank's code: not blocked, and Python's default handler."""
+    blocked = signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    return not blocked and signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -3,6 +3,7 @@
 import contextlib
 import datetime
 import functools
+import json
 import os
 import stat
 import subprocess
@@ -320,6 +321,74 @@ def test_ranks_end_with_a_killed_caller_even_when_it_ignored_sigint(tmp_path):
         caller.kill()
         caller.wait()
     assert _gone(pids), f"ranks {pids} outlived their killed caller"
+
+
+_INTERRUPTED_CALLER = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    sys.path.insert(0, {here!r})
+    import rank_functions as rf
+    from tutorial_lib.dist import launch_progress, launcher
+
+    def fds():
+        return [(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (1, 2)]
+
+    def interrupted(where):
+        started = []
+        real_start, real_dup2 = launcher.mp.start_processes, os.dup2
+        calls = []
+
+        def start_then_ctrl_c(*args, **kwargs):  # Ctrl-C right after a rank's process started
+            context = real_start(*args, **kwargs)
+            started.append(context.processes[0])
+            os.kill(os.getpid(), signal.SIGINT)
+            return context
+
+        def dup2_then_ctrl_c(fd, fd2, *args, **kwargs):  # Ctrl-C after the first of the two fd restores
+            real_dup2(fd, fd2, *args, **kwargs)
+            calls.append(fd2)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+
+        if where == "start":
+            launcher.mp.start_processes = start_then_ctrl_c
+        else:
+            launch_progress.os.dup2 = dup2_then_ctrl_c
+        before = fds()
+        try:
+            launcher.launch(rf.rank_identity, world_size=2, device="cpu", timeout=120, echo=False)
+            raised = False
+        except KeyboardInterrupt:
+            raised = True
+        finally:
+            launcher.mp.start_processes, os.dup2 = real_start, real_dup2
+        return dict(raised=raised, fds_restored=fds() == before, ranks_alive=[p.is_alive() for p in started])
+
+    if __name__ == "__main__":
+        print(json.dumps([interrupted("start"), interrupted("restore")]), file=open({out!r}, "w"))
+    """
+)
+
+
+def test_a_ctrl_c_while_a_rank_starts_stops_it_and_restores_the_callers_output(tmp_path):
+    """A Ctrl-C (SIGINT) that lands while a rank is being started -- its process already running, not yet in
+    the launch's list -- or between the two fd restores of ``rank_output_to`` is held back until both are done:
+    the caller gets its KeyboardInterrupt with the rank stopped (not orphaned) and its fds 1 and 2 its own again
+    (not left on the rank's deleted log, where a notebook kernel's output would vanish)."""
+    out = tmp_path / "result.json"
+    script = tmp_path / "interrupted_caller.py"
+    script.write_text(_INTERRUPTED_CALLER.format(here=rf.HERE, out=str(out)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, TMPDIR=str(tmp_path)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    start, restore = json.loads(out.read_text())
+    assert start == dict(raised=True, fds_restored=True, ranks_alive=[False]), start
+    assert restore == dict(raised=True, fds_restored=True, ranks_alive=[]), restore
+
+
+def test_ranks_start_interruptible():
+    """Holding a Ctrl-C back while a rank starts leaves nothing behind in the rank: its code can be interrupted."""
+    assert launch(rf.sigint_raises, world_size=2, device="cpu", echo=False) == [True, True]
 
 
 def test_concurrent_launches_are_isolated_and_leave_no_temp_files(tmp_path):

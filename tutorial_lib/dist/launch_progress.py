@@ -78,8 +78,13 @@ def rank_output_to(path: str):
     the error the cell shows. Hold it only around starting a process (milliseconds): the caller's own
     writes to fds 1 and 2 meanwhile land in ``path`` too, and are echoed with that rank's output.
     Where the caller's fd 1 or 2 is closed, it is closed again afterwards.
+
+    A Ctrl-C (SIGINT) meanwhile is held back and handled after both fds are restored: one between the two
+    restores would leave fd 2 on the rank's log, and one while a process is being started would lose it
+    before the caller could stop it. (A process started inside gets the default SIGINT handling: an exec
+    resets caught signals.)
     """
-    with _REDIRECT_LOCK:
+    with _REDIRECT_LOCK, _sigint_held():
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # None, or closed: nothing buffered to keep apart
                 stream.flush()
@@ -103,6 +108,34 @@ def rank_output_to(path: str):
                     os.dup2(copy, fd)
                     os.close(copy)
             os.close(log)
+
+
+@contextlib.contextmanager
+def _sigint_held():
+    """Hold a Ctrl-C back inside: SIGINT's Python handler is swapped for one that notes it, and on the way out
+    the original handler runs for it (the default one raises KeyboardInterrupt there).
+
+    Not a signal mask: a mask is per thread, and a process-directed SIGINT goes to any thread not blocking it
+    (a TCPStore's, a library's), whose wake-up then makes the main thread raise at its next bytecode anyway.
+    Python runs signal handlers in the main thread only, so elsewhere there is nothing to hold back.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    original = signal.getsignal(signal.SIGINT)
+    if original is None:  # installed outside Python: cannot be put back, so left alone
+        yield
+        return
+    caught = []
+    signal.signal(signal.SIGINT, lambda signum, frame: caught.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, original)
+        if caught and callable(original):
+            original(signal.SIGINT, caught[-1])
+        elif caught and original == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)  # what the default disposition does with it: end the process
 
 
 def _copy_above_stdio(fd: int) -> int:

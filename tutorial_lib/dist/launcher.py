@@ -335,7 +335,7 @@ def _start_ranks(world_size: int, tmp: str, rank_args: tuple) -> mp.ProcessConte
     contexts = []
     try:
         for r in range(world_size):
-            with rank_output_to(os.path.join(tmp, f"rank{r}.log")):
+            with rank_output_to(os.path.join(tmp, f"rank{r}.log")):  # holds a Ctrl-C back until the rank is listed
                 contexts.append(mp.start_processes(_rank_main, args=(r, *rank_args), nprocs=1, join=False,
                                                    start_method="spawn"))
     except BaseException:
