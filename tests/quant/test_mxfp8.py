@@ -12,7 +12,16 @@ from tutorial_lib.quant.base_ops import dispatch_table_summary
 from tutorial_lib.quant.block import rounding_error_bound
 from tutorial_lib.quant.fallback import QuantizedFallbackError, QuantizedViewError, strict_dispatch
 from tutorial_lib.quant.float8 import Float8Tensor
-from tutorial_lib.quant.mxfp8 import MXFP8Quantizer, MXFP8Tensor, dequantize_mxfp8, e8m0_to_fp32, quantize_mxfp8
+from tutorial_lib.quant.formats import FORMATS
+from tutorial_lib.quant.mxfp8 import (
+    MX_ELEMENTS,
+    MXFP8Quantizer,
+    MXFP8Tensor,
+    dequantize_mxfp8,
+    e8m0_to_fp32,
+    mx_scale_exponent,
+    quantize_mxfp8,
+)
 from tutorial_lib.quant.tensor import is_quantized, register_safe_globals
 
 E4M3_GRID = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -58,6 +67,29 @@ def test_e8m0_decode_table():
     expected = [2.0**-127, 2.0**-126, 0.5, 1.0, 2.0, 2.0**127]
     got = e8m0_to_fp32(codes)
     assert got[:-1].tolist() == expected and math.isnan(got[-1].item())
+
+
+@pytest.mark.parametrize("element", MX_ELEMENTS)
+@pytest.mark.parametrize("rounding", ["floor", "rceil"])
+def test_scale_exponent_of_every_element_format_matches_float64_math(element, rounding):
+    """floor(log2 amax) - emax, or the smallest e with amax / 2**e <= max, for E4M3, E5M2 and E2M1 elements:
+    random magnitudes over fp32's whole normal range plus each binade's boundary max * 2**k and the fp32 after it."""
+    top = FORMATS[element].max
+    emax = math.frexp(top)[1] - 1
+    g = torch.Generator().manual_seed(7)
+    amax = (torch.rand(4000, generator=g, dtype=torch.float64) * 250 - 125).exp2().float()
+    k = torch.arange(-120, 120 - emax, dtype=torch.float32)
+    edge = top * k.exp2()
+    amax = torch.cat([amax, edge, torch.nextafter(edge, torch.full_like(edge, math.inf))])
+    got = mx_scale_exponent(amax, rounding, element=element).tolist()
+    for a, e in zip(amax.tolist(), got):
+        if rounding == "floor":
+            want = math.frexp(a)[1] - 1 - emax
+        else:  # a / top is a power of two exactly when it should be; otherwise >= 2**-26 away from one
+            want = math.ceil(math.log2(a / top))
+        assert e == max(-127, min(127 - emax, want)), (element, a)
+    with pytest.raises(ValueError, match="element must be one of"):
+        mx_scale_exponent(amax, element="e8m0")
 
 
 # ---------------------------------------------------------------- properties

@@ -35,6 +35,7 @@ import dataclasses
 import torch
 
 from tutorial_lib.quant.formats import FORMATS, decode, encode
+from tutorial_lib.quant.mxfp8 import mx_scale_exponent
 from tutorial_lib.quant.nvfp4 import nvfp4_global_scale_inv, tensor_amax
 from tutorial_lib.quant.registry import make_quantizer
 
@@ -102,11 +103,8 @@ def fp4_round_trip(x: torch.Tensor, block: int, scale: str, rounding: str = "flo
     amax_b = xb.abs().amax(-1, keepdim=True)
     e2m1_max = FORMATS["e2m1"].max
     if scale == "e8m0":
-        fraction, exponent = torch.frexp(amax_b)  # amax = fraction * 2**exponent, fraction in [0.5, 1)
-        exponent = exponent - 1 - 2  # floor(log2 amax) - 2
-        if rounding == "rceil":
-            exponent = exponent + (fraction > 0.75).to(exponent.dtype)  # mantissa 2 * fraction above 1.5
-        s = torch.ldexp(torch.ones_like(amax_b), exponent.clamp(-127, 127).to(torch.float32))
+        exponent = mx_scale_exponent(amax_b, rounding, element="e2m1")  # MXFP8's rule with E2M1's emax 2, m 1.5
+        s = torch.ldexp(torch.ones_like(amax_b), exponent.to(torch.float32))
     else:
         g = nvfp4_global_scale_inv(tensor_amax(x))
         # true divisions, as NVFP4's quantize (CUDA's ``tensor / python_scalar`` multiplies by a rounded reciprocal)

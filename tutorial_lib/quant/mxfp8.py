@@ -35,6 +35,8 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 import torch
 from tutorial_kernels.fp8_args import SUPPORTED_DTYPES
 from tutorial_kernels.mxfp8_quant import MX_BLOCK, SCALE_ROUNDINGS, mxfp8_dequantize, mxfp8_quantize
@@ -54,32 +56,46 @@ from tutorial_lib.quant.block import (
     scale_shape,
     to_e4m3_bytes,
 )
+from tutorial_lib.quant.formats import FORMATS
 from tutorial_lib.quant.per_tensor import round_saturating
 from tutorial_lib.quant.tensor import add_safe_global
 
-__all__ = ["MX_BLOCK", "SCALE_ROUNDINGS", "MXFP8Quantizer", "MXFP8Tensor", "dequantize_mxfp8", "e8m0_to_fp32",
-           "mx_scale_exponent", "quantize_mxfp8"]
+__all__ = ["MX_BLOCK", "MX_ELEMENTS", "SCALE_ROUNDINGS", "MXFP8Quantizer", "MXFP8Tensor", "dequantize_mxfp8",
+           "e8m0_to_fp32", "mx_scale_exponent", "quantize_mxfp8"]
 
-E4M3_EMAX = 8  # floor(log2(448))
 E8M0_BIAS = 127
-E4M3_MAX_MANTISSA_BITS = 0x600000  # 448 = 1.75 * 2**8: fp32 mantissa bits of 1.75
-MX_MAX_EXP = 127 - E4M3_EMAX  # 119: 448 * 2**119 = 1.75 * 2**127 is a finite fp32, 448 * 2**120 is not
+
+MX_ELEMENTS = ("e4m3", "e5m2", "e2m1")
+"""The element formats an E8M0 block scale serves (OCP MX v1.0: MXFP8 E4M3 / E5M2, MXFP4 E2M1)."""
 
 
-def mx_scale_exponent(amax: torch.Tensor, rounding: str = "floor") -> torch.Tensor:
-    """Unbiased scale exponent (int32, clamped to [-127, 119]: E8M0's range, capped where 448 * 2**e is finite)
-    for fp32 block amaxes.
+def mx_scale_exponent(amax: torch.Tensor, rounding: str = "floor", element: str = "e4m3") -> torch.Tensor:
+    """Unbiased scale exponent (int32) for fp32 block amaxes, for ``element`` values (``MX_ELEMENTS``).
 
-    floor: floor(log2(amax)) - 8   (OCP MX v1.0; amax/X in [256, 512), values > 448 saturate)
-    rceil: ceil(log2(amax / 448))  (NVIDIA; amax/X <= 448, nothing saturates), computed exactly
-           from the bits: one binade up from "floor" when amax's mantissa exceeds 1.75.
+    With ``element``'s largest value ``max = m * 2**emax`` (E4M3 448 = 1.75 * 2**8, E5M2 57344 = 1.75 * 2**15,
+    E2M1 6 = 1.5 * 2**2):
+
+    floor: floor(log2(amax)) - emax   (OCP MX v1.0; amax/X in [2**emax, 2**(emax+1)), values > max saturate)
+    rceil: ceil(log2(amax / max))     (NVIDIA; amax/X <= max, nothing saturates), computed exactly
+           from the bits: one binade up from "floor" when amax's mantissa exceeds m.
+
+    Clamped to [-127, 127 - emax]: E8M0's range, capped where ``max * 2**e`` is finite (119 for E4M3).
     """
-    e = floor_log2(amax) - E4M3_EMAX
+    if element not in MX_ELEMENTS:
+        raise ValueError(f"element must be one of {MX_ELEMENTS}, got {element!r}")
+    emax, max_mantissa_bits = _element_top(element)
+    e = floor_log2(amax) - emax
     if rounding == "rceil":
-        e = e + ((amax.view(torch.int32) & 0x7FFFFF) > E4M3_MAX_MANTISSA_BITS).to(torch.int32)
+        e = e + ((amax.view(torch.int32) & 0x7FFFFF) > max_mantissa_bits).to(torch.int32)
     elif rounding != "floor":
         raise ValueError(f"rounding must be one of {SCALE_ROUNDINGS}, got {rounding!r}")
-    return e.clamp(-E8M0_BIAS, MX_MAX_EXP)
+    return e.clamp(-E8M0_BIAS, 127 - emax)
+
+
+def _element_top(element: str) -> tuple[int, int]:
+    """``(emax, fp32 mantissa bits of m)`` for the element format's largest value ``m * 2**emax``."""
+    m, e = math.frexp(FORMATS[element].max)  # max = m * 2**e, m in [0.5, 1)
+    return e - 1, int((2 * m - 1) * (1 << 23))
 
 
 def _quantize_rowwise(x: torch.Tensor, rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
