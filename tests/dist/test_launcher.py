@@ -287,6 +287,36 @@ def test_an_interrupt_while_the_ranks_are_stopped_still_removes_the_temp_dir(tmp
     assert not list(tmp_path.glob("tutorial-launch-*")), "the temp dir outlived the interrupted cleanup"
 
 
+class _ReapedRank:
+    """A rank process object after ``join`` reaped it: its pid number is free for the system to reuse."""
+
+    def __init__(self, pid):
+        self.pid, self.exitcode, self.sentinel = pid, 0, None
+
+    def is_alive(self):
+        return False
+
+    def join(self, timeout=None):
+        pass
+
+    def kill(self):
+        raise AssertionError("a reaped rank was killed by its pid")
+
+
+def test_stopping_a_launch_never_signals_a_process_that_reused_a_reaped_ranks_pid():
+    """After a launch its ranks are reaped, and ``_stop`` runs again in the cleanup: a pid number that the system
+    has since given to an unrelated process (here a ``sleep`` in the caller's own process group) must not be
+    signalled. Only a reaped rank's process group is -- which exists only while the rank's own children hold it."""
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        launcher._stop(torch.multiprocessing.ProcessContext([_ReapedRank(bystander.pid)], [None]), grace=0.1)
+        time.sleep(0.2)
+        assert bystander.poll() is None, f"a process with a reaped rank's pid was killed ({bystander.poll()})"
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
 _IGNORING_CALLER = textwrap.dedent(
     """
     import signal, sys

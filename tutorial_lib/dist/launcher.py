@@ -177,31 +177,38 @@ def _loopback_store(world_size: int, timeout: datetime.timedelta) -> dist.TCPSto
 def _stop(context: mp.ProcessContext, grace: float = 3.0) -> None:
     """Terminate, then kill, every rank still alive and every process a rank started (each rank leads a
     process group of its own: ``launch_rank``), and reap the ranks."""
-    alive = [p for p in context.processes if p.is_alive()]
+    alive = [p for p in context.processes if p.is_alive()]  # also reaps the ranks that have ended
     for p in context.processes:
-        _signal_group(p.pid, signal.SIGTERM)
+        _signal_group(p, signal.SIGTERM)
     try:
         deadline = time.monotonic() + grace
         for p in alive:
             p.join(max(0.0, deadline - time.monotonic()))
     finally:  # also after an interrupt during the grace period: no rank is left running
         for p in context.processes:
-            _signal_group(p.pid, signal.SIGKILL)
+            _signal_group(p, signal.SIGKILL)
             if p.is_alive():
                 p.kill()
             p.join()
 
 
-def _signal_group(pid: int | None, sig: int) -> None:
-    """Signal the process group a rank leads (the rank, if alive, and what it started); gone groups are fine."""
+def _signal_group(process, sig: int) -> None:
+    """Signal the process group a rank leads (the rank, if not reaped yet, and what it started).
+
+    A reaped rank's pid number is free for reuse, so it is never signalled by itself; its group is, which
+    exists only while processes the rank started are in it -- and while they are, Linux does not reuse the
+    number. Gone groups are fine.
+    """
+    pid = process.pid
     if pid is None:
         return
-    try:
-        if os.getpgid(pid) != pid:  # the rank has not (yet) made its group: signal the rank alone
-            os.kill(pid, sig)
-            return
-    except ProcessLookupError:  # the rank is gone (reaped or not): its group may still hold its children
-        pass
+    if process.exitcode is None:  # not reaped: the pid is still this rank's
+        try:
+            if os.getpgid(pid) != pid:  # the rank has not (yet) made its group: signal the rank alone
+                os.kill(pid, sig)
+                return
+        except ProcessLookupError:  # gone
+            pass
     try:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):  # nothing left in the group
