@@ -7,6 +7,8 @@ in the same run and timed in alternating order (round by round, so drift hits al
     bf16 cuBLAS            x_bf16 @ w_bf16.T                       the unquantized baseline
     per-tensor FP8         torch._scaled_mm, E4M3, fast accum.      one scale per tensor: the ceiling
                                                                     of FP8 tensor-core throughput
+    per-tensor FP8         the same without fast accumulation       partial sums promoted to fp32: splits
+                                                                    blockwise's gap into promotion + scales
     torch blockwise        torch.nn.functional.scaled_mm with      the same recipe as ours (and the
                            BlockWise1x128 x BlockWise128x128       same with use_fast_accum=True)
 
@@ -62,6 +64,7 @@ QUICK_SHAPES = [(48, 256, 256)]
 OURS = "triton blockwise (ours)"
 BF16 = "bf16 cuBLAS"
 PER_TENSOR = "torch._scaled_mm per-tensor e4m3 fast-accum"
+PER_TENSOR_PROMOTED = "torch._scaled_mm per-tensor e4m3"
 TORCH_BLOCKWISE = "torch scaled_mm blockwise 1x128 x 128x128"
 TORCH_BLOCKWISE_FAST = "torch scaled_mm blockwise 1x128 x 128x128 fast-accum"
 TORCH_WGRAD = "torch scaled_mm blockwise 1x128 x 1x128"
@@ -155,6 +158,10 @@ def run_shape(M, N, K, device, copy, rounds, sweep) -> dict:
         torch._scaled_mm(fp8_x, fp8_wt, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
         fns[PER_TENSOR] = lambda: torch._scaled_mm(fp8_x, fp8_wt, scale_a=pt_x.scale_inv, scale_b=pt_w.scale_inv,
                                                    out_dtype=torch.bfloat16, use_fast_accum=True)
+        # without fast accumulation: the same one-scale GEMM with its partial sums promoted to fp32 as it goes --
+        # between it and the fast-accum row lies the price of promotion, between it and blockwise that of the scales
+        fns[PER_TENSOR_PROMOTED] = lambda: torch._scaled_mm(fp8_x, fp8_wt, scale_a=pt_x.scale_inv,
+                                                            scale_b=pt_w.scale_inv, out_dtype=torch.bfloat16)
     except (RuntimeError, ValueError, NotImplementedError, ImportError) as exc:
         errors[PER_TENSOR] = str(exc).splitlines()[0][:200]
     try:

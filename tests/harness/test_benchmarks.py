@@ -100,6 +100,8 @@ def test_fp8_gemm_checks_every_element_of_the_product(tmp_path):
     (path,) = Path(tmp_path).glob("*.json")
     (c,) = json.loads(path.read_text())["cases"]
     assert c["checked_rows"] == c["M"] and 0 < c["ours_max_err_over_bound"] <= 1
+    # per-tensor with and without fast accumulation: the pair that splits blockwise's gap (CPU: torch's emulation)
+    assert {"torch._scaled_mm per-tensor e4m3 fast-accum", "torch._scaled_mm per-tensor e4m3"} <= set(c["peers"])
 
 
 def test_fp8_gemm_error_check_fails_on_one_wrong_element():
